@@ -1,0 +1,36 @@
+"""inshrinkerator: training checkpoints one to two orders of magnitude smaller.
+
+The public API::
+
+    import inshrinkerator as ink
+    info = ink.save(state, "ckpt.ink")          # -> ink.SaveInfo
+    state = ink.load("ckpt.ink")
+"""
+
+from . import policies
+from .errors import (
+    BrokenChainError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    FormatError,
+    InkError,
+    UnsupportedStateError,
+)
+from .info import SaveInfo
+from .single_file import load, save
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "save",
+    "load",
+    "SaveInfo",
+    "policies",
+    "InkError",
+    "FormatError",
+    "CorruptCheckpointError",
+    "CheckpointNotFoundError",
+    "BrokenChainError",
+    "UnsupportedStateError",
+    "__version__",
+]

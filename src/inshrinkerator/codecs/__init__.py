@@ -1,0 +1,21 @@
+"""Codecs: pure tensor <-> bytes transforms behind one small contract (see :mod:`.base`)."""
+
+from .base import Codec, Encoded, TensorSpec, dtype_from_name, dtype_name
+from .byte_grouping import ByteGroupingCodec
+from .raw import RawCodec
+from .registry import get_codec, register_codec, registered_codecs
+from .xor_delta import XorDeltaCodec
+
+__all__ = [
+    "Codec",
+    "Encoded",
+    "TensorSpec",
+    "dtype_name",
+    "dtype_from_name",
+    "get_codec",
+    "register_codec",
+    "registered_codecs",
+    "ByteGroupingCodec",
+    "RawCodec",
+    "XorDeltaCodec",
+]

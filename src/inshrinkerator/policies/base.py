@@ -1,0 +1,38 @@
+"""The policy contract: decide, per tensor, which codec stores it."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+
+from ..codecs.base import Codec
+from ..tree import TensorLeaf
+
+__all__ = ["Policy"]
+
+
+class Policy(ABC):
+    """Chooses a codec for every tensor of a state.
+
+    ``plan`` sees the tensors of the state being saved and, per tensor, the
+    *reference* it may be coded against: the reconstructed previous checkpoint
+    of a run, a base model, or ``None``. A codec with ``uses_reference`` is given
+    that reference to encode and to decode. Lossy policies may search here.
+    """
+
+    #: The name written into files and shown by ``inshrink info``.
+    name: str
+
+    @abstractmethod
+    def plan(
+        self,
+        leaves: Sequence[TensorLeaf],
+        references: Sequence[Optional[torch.Tensor]],
+    ) -> list[Codec]:
+        """One codec per leaf, in order."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"

@@ -1,0 +1,113 @@
+"""A whole state <-> one container: flatten, plan codecs, encode, write; and back.
+
+Shared by the one-shot :func:`inshrinkerator.save` / :func:`inshrinkerator.load`
+and by the run store, which passes the previous reconstructed checkpoint as the
+references.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import IO, Any, Optional
+
+import torch
+
+from .codecs.base import TensorSpec
+from .container import ContainerReader, ContainerWriter
+from .errors import BrokenChainError, FormatError
+from .policies import Policy
+from .tree import flatten, format_key_path, tensor_paths, unflatten
+
+__all__ = ["WrittenState", "write_state", "read_state", "reference_map"]
+
+
+@dataclass
+class WrittenState:
+    """What :func:`write_state` wrote: sizes, and the state as a reader will see it."""
+
+    raw_bytes: int
+    stored_bytes: int
+    used_reference: bool
+    #: key path (formatted) -> the tensor a reader will decode (the closed-loop reference
+    #: for the next delta).
+    reconstruction: dict[str, torch.Tensor]
+
+
+def reference_map(state: Any) -> dict[str, torch.Tensor]:
+    """Formatted key path -> tensor for every distinct tensor of ``state``."""
+    return {format_key_path(leaf.path): leaf.tensor for leaf in flatten(state).tensors}
+
+
+def write_state(
+    out: IO[bytes],
+    state: Any,
+    policy: Policy,
+    references: Optional[Mapping[str, torch.Tensor]] = None,
+    reference_name: str = "base",
+    meta: Optional[dict[str, Any]] = None,
+    keep_reconstruction: bool = False,
+) -> WrittenState:
+    """Encode ``state`` with ``policy`` into ``out``.
+
+    Raises:
+        UnsupportedStateError: the state holds something that cannot be stored.
+    """
+    flat = flatten(state)
+    keys = [format_key_path(leaf.path) for leaf in flat.tensors]
+    refs = [references.get(key) if references else None for key in keys]
+    codecs = policy.plan(flat.tensors, refs)
+    writer = ContainerWriter()
+    raw_bytes = 0
+    used_reference = False
+    reconstruction: dict[str, torch.Tensor] = {}
+    try:
+        for leaf, key, codec, reference in zip(flat.tensors, keys, codecs, refs):
+            tensor = leaf.tensor
+            raw_bytes += tensor.numel() * tensor.element_size()
+            encoded = codec.encode(tensor, reference if codec.uses_reference else None)
+            used_reference |= codec.uses_reference
+            writer.add(
+                TensorSpec.of(tensor),
+                codec.get_config(),
+                encoded,
+                reference=reference_name if codec.uses_reference else None,
+            )
+            if keep_reconstruction:
+                rebuilt = encoded.reconstruction if encoded.reconstruction is not None else tensor
+                reconstruction[key] = rebuilt
+        full_meta = {"policy": policy.name, "raw_bytes": raw_bytes, **(meta or {})}
+        stored = writer.finish(out, flat.skeleton, full_meta)
+    finally:
+        writer.close()
+    return WrittenState(raw_bytes, stored, used_reference, reconstruction)
+
+
+def read_state(
+    reader: ContainerReader,
+    references: Optional[Mapping[str, torch.Tensor]] = None,
+    reference_hint: str = "pass base= with the state it was saved against",
+) -> Any:
+    """Decode every tensor of an open container and rebuild the state.
+
+    Raises:
+        BrokenChainError: a tensor was stored as a delta and its reference is missing.
+        FormatError / CorruptCheckpointError: the file is invalid or damaged.
+    """
+    header = reader.header
+    paths = tensor_paths(header.skeleton)
+    if set(paths) != set(range(len(header.tensors))):
+        raise FormatError(f"{reader.source}: skeleton and tensor records disagree")
+    tensors = []
+    for index, record in enumerate(header.tensors):
+        key = format_key_path(paths[index])
+        reference = None
+        if record.reference is not None:
+            reference = references.get(key) if references else None
+            if reference is None:
+                raise BrokenChainError(
+                    f"{reader.source}: tensor {key} is stored as a delta against "
+                    f"{record.reference!r}, which was not given; {reference_hint}"
+                )
+        tensors.append(reader.decode(record, reference, where=f"tensor {key}"))
+    return unflatten(header.skeleton, tensors)
