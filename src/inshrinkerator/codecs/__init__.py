@@ -5,6 +5,7 @@ from .byte_grouping import ByteGroupingCodec
 from .raw import RawCodec
 from .registry import get_codec, register_codec, registered_codecs
 from .xor_delta import XorDeltaCodec
+from .entropy import decode_symbols, encode_symbols, order0_entropy_bits
 
 __all__ = [
     "Codec",
@@ -18,4 +19,7 @@ __all__ = [
     "ByteGroupingCodec",
     "RawCodec",
     "XorDeltaCodec",
+    "encode_symbols",
+    "decode_symbols",
+    "order0_entropy_bits",
 ]
