@@ -7,7 +7,7 @@ references.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import IO, Any, Optional
 
@@ -19,7 +19,10 @@ from .errors import BrokenChainError, FormatError
 from .policies import Policy
 from .tree import flatten, format_key_path, tensor_paths, unflatten
 
-__all__ = ["WrittenState", "write_state", "read_state", "reference_map"]
+__all__ = ["WrittenState", "write_state", "read_state", "reference_map", "ProgressCallback"]
+
+#: Called after each tensor with (bytes done, bytes in all) of raw tensor data.
+ProgressCallback = Callable[[int, int], None]
 
 
 @dataclass
@@ -47,6 +50,7 @@ def write_state(
     reference_name: str = "base",
     meta: Optional[dict[str, Any]] = None,
     keep_reconstruction: bool = False,
+    progress: Optional[ProgressCallback] = None,
 ) -> WrittenState:
     """Encode ``state`` with ``policy`` into ``out``.
 
@@ -58,6 +62,7 @@ def write_state(
     refs = [references.get(key) if references else None for key in keys]
     codecs = policy.plan(flat.tensors, refs)
     writer = ContainerWriter()
+    total = sum(leaf.tensor.numel() * leaf.tensor.element_size() for leaf in flat.tensors)
     raw_bytes = 0
     used_reference = False
     reconstruction: dict[str, torch.Tensor] = {}
@@ -76,6 +81,8 @@ def write_state(
             if keep_reconstruction:
                 rebuilt = encoded.reconstruction if encoded.reconstruction is not None else tensor
                 reconstruction[key] = rebuilt
+            if progress is not None:
+                progress(raw_bytes, total)
         full_meta = {"policy": policy.name, "raw_bytes": raw_bytes, **(meta or {})}
         stored = writer.finish(out, flat.skeleton, full_meta)
     finally:
@@ -87,6 +94,7 @@ def read_state(
     reader: ContainerReader,
     references: Optional[Mapping[str, torch.Tensor]] = None,
     reference_hint: str = "pass base= with the state it was saved against",
+    progress: Optional[ProgressCallback] = None,
 ) -> Any:
     """Decode every tensor of an open container and rebuild the state.
 
@@ -99,6 +107,8 @@ def read_state(
     if set(paths) != set(range(len(header.tensors))):
         raise FormatError(f"{reader.source}: skeleton and tensor records disagree")
     tensors = []
+    total = sum(record.spec.nbytes for record in header.tensors)
+    done = 0
     for index, record in enumerate(header.tensors):
         key = format_key_path(paths[index])
         reference = None
@@ -110,4 +120,7 @@ def read_state(
                     f"{record.reference!r}, which was not given; {reference_hint}"
                 )
         tensors.append(reader.decode(record, reference, where=f"tensor {key}"))
+        done += record.spec.nbytes
+        if progress is not None:
+            progress(done, total)
     return unflatten(header.skeleton, tensors)

@@ -15,7 +15,7 @@ from .container import ContainerReader
 from .errors import CheckpointNotFoundError
 from .info import SaveInfo
 from .policies import Policy, resolve_policy
-from .serialize import read_state, reference_map, write_state
+from .serialize import ProgressCallback, read_state, reference_map, write_state
 
 __all__ = ["save", "load", "open_container", "PathLike"]
 
@@ -57,6 +57,8 @@ def save(
     path: PathLike,
     policy: Union[str, Policy] = "lossless",
     base: BaseLike = None,
+    *,
+    progress: Optional[ProgressCallback] = None,
 ) -> SaveInfo:
     """Compress ``state`` into one file at ``path`` (local path or fsspec URL).
 
@@ -66,6 +68,7 @@ def save(
         base: a reference state (or a path to an ``.ink`` file holding one): tensors with the
             same key path, dtype and shape are stored as deltas against it. Loading then
             needs the same base.
+        progress: optional callback ``(bytes_done, bytes_total)`` after each tensor.
 
     A local file is written under a temporary name and renamed into place, so an
     interrupted save never leaves a damaged file at ``path``.
@@ -79,14 +82,14 @@ def save(
     destination = os.fspath(path)
     if _is_url(destination):
         with fsspec.open(destination, "wb") as handle:
-            written = write_state(handle, state, chosen, references)
+            written = write_state(handle, state, chosen, references, progress=progress)
     else:
         target = Path(destination)
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
         try:
             with os.fdopen(fd, "wb") as handle:
-                written = write_state(handle, state, chosen, references)
+                written = write_state(handle, state, chosen, references, progress=progress)
                 handle.flush()
                 os.fsync(handle.fileno())
             os.replace(temporary, target)
@@ -104,7 +107,9 @@ def save(
     )
 
 
-def load(path: PathLike, base: BaseLike = None) -> Any:
+def load(
+    path: PathLike, base: BaseLike = None, *, progress: Optional[ProgressCallback] = None
+) -> Any:
     """Load the state saved at ``path``; ``base`` must be the one it was saved against, if any.
 
     Raises:
@@ -113,4 +118,4 @@ def load(path: PathLike, base: BaseLike = None) -> Any:
         BrokenChainError: the file needs a base that was not given or does not match.
     """
     with open_container(path) as reader:
-        return read_state(reader, _base_references(base))
+        return read_state(reader, _base_references(base), progress=progress)

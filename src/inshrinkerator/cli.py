@@ -1,0 +1,346 @@
+"""The ``inshrink`` command line: info, verify, compress, decompress, demo, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Optional
+
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from .codecs.registry import get_codec
+from .errors import InkError
+from .policies import POLICY_NAMES
+from .serialize import ProgressCallback
+from .single_file import open_container, save
+from .tree import format_key_path, tensor_paths
+
+__all__ = ["main"]
+
+# Piped output gets a wide table rather than rich's 80-column default.
+_console = Console(width=None if sys.stdout.isatty() else 140)
+_errors = Console(stderr=True)
+
+
+def human_bytes(count: float) -> str:
+    """``1536`` -> ``"1.5 KiB"``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(count) < 1024 or unit == "TiB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count:.1f} TiB"
+
+
+@contextmanager
+def _progress(label: str, enabled: bool) -> Iterator[Optional[ProgressCallback]]:
+    if not enabled:
+        yield None
+        return
+    columns = (TextColumn(label), BarColumn(), DownloadColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=_errors, transient=True) as bar:
+        task = bar.add_task(label, total=None)
+
+        def update(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        yield update
+
+
+def _is_run(path: str) -> bool:
+    if os.path.isfile(path):
+        return False
+    from .store import is_run
+
+    return is_run(path)
+
+
+def _print_json(payload: Any) -> None:
+    print(json.dumps(payload, indent=2, default=str))
+
+
+# ----------------------------------------------------------------------------- info
+
+
+def _file_summary(path: str) -> dict[str, Any]:
+    with open_container(path) as reader:
+        header = reader.header
+        paths = tensor_paths(header.skeleton)
+        size = reader.data_start + header.data_bytes
+    tensors = []
+    for index, record in enumerate(header.tensors):
+        tensors.append(
+            {
+                "key": format_key_path(paths.get(index, (f"#{index}",))),
+                "dtype": str(record.spec.dtype).removeprefix("torch."),
+                "shape": list(record.spec.shape),
+                "codec": record.codec.get("id", "?"),
+                "delta": record.reference is not None,
+                "raw_bytes": record.spec.nbytes,
+                "stored_bytes": record.stored_bytes,
+            }
+        )
+    raw = int(header.meta.get("raw_bytes", sum(t["raw_bytes"] for t in tensors)))
+    return {
+        "path": path,
+        "policy": header.meta.get("policy", "?"),
+        "kind": "delta" if any(t["delta"] for t in tensors) else "full",
+        "raw_bytes": raw,
+        "stored_bytes": size,
+        "ratio": raw / max(size, 1),
+        "tensors": tensors,
+    }
+
+
+def _show_file_summary(summary: dict[str, Any]) -> None:
+    table = Table(title=f"{summary['path']}  ({summary['kind']}, policy {summary['policy']})")
+    for column in ("tensor", "dtype", "shape", "codec", "raw", "stored", "ratio"):
+        table.add_column(column, justify="right" if column in ("raw", "stored", "ratio") else "left")
+    for t in summary["tensors"]:
+        codec = t["codec"] + (" (delta)" if t["delta"] else "")
+        ratio = t["raw_bytes"] / t["stored_bytes"] if t["stored_bytes"] else float("inf")
+        table.add_row(
+            t["key"], t["dtype"], str(t["shape"]), codec,
+            human_bytes(t["raw_bytes"]), human_bytes(t["stored_bytes"]), f"{ratio:.2f}x",
+        )
+    table.add_section()
+    table.add_row(
+        "total (whole file)", "", "", "", human_bytes(summary["raw_bytes"]),
+        human_bytes(summary["stored_bytes"]), f"{summary['ratio']:.2f}x",
+    )
+    _console.print(table)
+
+
+def _run_summary(path: str) -> list[dict[str, Any]]:
+    from .store import describe_run
+
+    return [entry.__dict__ if not hasattr(entry, "_asdict") else entry._asdict() for entry in describe_run(path)]
+
+
+def _show_run_summary(path: str, entries: list[dict[str, Any]]) -> None:
+    table = Table(title=f"run {path}")
+    for column in ("step", "kind", "base", "raw", "stored", "ratio", "policy"):
+        table.add_column(column, justify="right" if column in ("step", "raw", "stored", "ratio", "base") else "left")
+    raw = stored = 0
+    for e in entries:
+        raw += e["raw_bytes"]
+        stored += e["stored_bytes"]
+        base = "" if e.get("base_step") is None else str(e["base_step"])
+        table.add_row(
+            str(e["step"]), e["kind"], base, human_bytes(e["raw_bytes"]),
+            human_bytes(e["stored_bytes"]), f"{e['ratio']:.2f}x", str(e["policy"]),
+        )
+    table.add_section()
+    table.add_row("all", "", "", human_bytes(raw), human_bytes(stored), f"{raw / max(stored, 1):.2f}x", "")
+    _console.print(table)
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    if _is_run(args.path):
+        entries = _run_summary(args.path)
+        _print_json(entries) if args.json else _show_run_summary(args.path, entries)
+    else:
+        summary = _file_summary(args.path)
+        _print_json(summary) if args.json else _show_file_summary(summary)
+    return 0
+
+
+# --------------------------------------------------------------------------- verify
+
+
+def _verify_file(path: str, base: Optional[str]) -> list[str]:
+    from .interchange import read_any
+    from .serialize import read_state
+    from .single_file import _base_references
+
+    problems: list[str] = []
+    try:
+        with open_container(path) as reader:
+            header = reader.header
+            for record in header.tensors:
+                get_codec(record.codec)
+                reader.read_streams(record)
+            needs_base = any(r.reference is not None for r in header.tensors)
+            if needs_base and base is None:
+                problems.append(
+                    f"{path}: checksums good, but tensors are deltas against a base; pass --base "
+                    "to check that they restore"
+                )
+            else:
+                references = _base_references(read_any(base)) if base else None
+                read_state(reader, references)
+    except InkError as exc:
+        problems.append(str(exc))
+    return problems
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    if _is_run(args.path):
+        from .store import verify_run
+
+        problems = verify_run(args.path)
+    else:
+        problems = _verify_file(args.path, args.base)
+    ok = not problems
+    if args.json:
+        _print_json({"path": args.path, "ok": ok, "problems": problems})
+    elif ok:
+        _console.print(f"[green]OK[/green] {args.path}: every checksum matches and everything restores "
+                       f"({time.perf_counter() - started:.2f} s)")
+    else:
+        for problem in problems:
+            _console.print(f"[red]FAIL[/red] {problem}")
+    return 0 if ok else 1
+
+
+# ------------------------------------------------------------------ compress / decompress
+
+
+def cmd_compress(args: argparse.Namespace) -> int:
+    from .interchange import read_any
+
+    state = read_any(args.input)
+    base = read_any(args.base) if args.base else None
+    with _progress("compressing", not args.json and sys.stderr.isatty()) as progress:
+        info = save(state, args.output, policy=args.policy, base=base, progress=progress)
+    if args.json:
+        _print_json({"input": args.input, "output": args.output, **info.to_dict()})
+    else:
+        _console.print(
+            f"{args.input} -> {args.output}: {human_bytes(info.raw_bytes)} -> "
+            f"{human_bytes(info.stored_bytes)} ({info.ratio:.2f}x, {info.kind}, policy {info.policy}, "
+            f"{info.seconds:.2f} s)"
+        )
+    return 0
+
+
+def cmd_decompress(args: argparse.Namespace) -> int:
+    from .interchange import read_any, write_torch_or_safetensors
+
+    started = time.perf_counter()
+    if _is_run(args.input):
+        from .store import CheckpointManager
+
+        with CheckpointManager(args.input) as manager:
+            state = manager.load(args.step)
+    else:
+        if args.step is not None:
+            raise InkError(f"{args.input} is a single file, not a run: --step does not apply")
+        state = read_any(args.input, base=read_any(args.base) if args.base else None)
+    write_torch_or_safetensors(state, args.output)
+    size = os.path.getsize(args.output)
+    if args.json:
+        _print_json({"input": args.input, "output": args.output, "bytes": size})
+    else:
+        _console.print(f"{args.input} -> {args.output}: {human_bytes(size)} "
+                       f"({time.perf_counter() - started:.2f} s)")
+    return 0
+
+
+# ------------------------------------------------------------------------ demo / bench
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .bench import run_demo
+
+    run_demo(console=_console)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    if args.activations:
+        from .activations.bench import run_activation_bench
+
+        result = run_activation_bench(out, quick=args.quick)
+    else:
+        from .bench import run_bench
+
+        result = run_bench(
+            out, quick=args.quick, workloads=args.workload, policies=args.policy, seeds=args.seeds
+        )
+    if args.json:
+        _print_json(result)
+    else:
+        _console.print(f"results written to {out}/ (report.md, JSON, PNG plots)")
+    return 0
+
+
+# ----------------------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="inshrink", description="Compress, inspect and verify training checkpoints."
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, help_text: str) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=help_text, description=help_text)
+        sub.add_argument("--json", action="store_true", help="machine-readable output")
+        return sub
+
+    info = command("info", "show what a file or a run holds: sizes, kinds, ratios, policy")
+    info.add_argument("path", help="an .ink file or a run directory / URL")
+    info.set_defaults(handler=cmd_info)
+
+    verify = command("verify", "check every checksum and that everything restores (exit 1 on failure)")
+    verify.add_argument("path", help="an .ink file or a run directory / URL")
+    verify.add_argument("--base", help="the base a delta file was saved against")
+    verify.set_defaults(handler=cmd_verify)
+
+    compress = command("compress", "compress a .pt/.pth/.bin or .safetensors file into an .ink file")
+    compress.add_argument("input")
+    compress.add_argument("output")
+    compress.add_argument("--policy", default="lossless", help=f"one of: {', '.join(POLICY_NAMES)}")
+    compress.add_argument("--base", help="store deltas against this reference (.pt/.safetensors/.ink)")
+    compress.set_defaults(handler=cmd_compress)
+
+    decompress = command("decompress", "write an .ink file or a run's step out as .pt or .safetensors")
+    decompress.add_argument("input", help="an .ink file or a run directory / URL")
+    decompress.add_argument("output", help="a .pt/.pth/.bin or .safetensors path")
+    decompress.add_argument("--base", help="the base a delta file was saved against")
+    decompress.add_argument("--step", type=int, help="the step of a run (default: the latest)")
+    decompress.set_defaults(handler=cmd_decompress)
+
+    demo = command("demo", "train a CNN on real data with compressed checkpoints and failures")
+    demo.set_defaults(handler=cmd_demo)
+
+    bench = command("bench", "the failure-recovery benchmark: report.md + JSON + PNG plots")
+    bench.add_argument("--quick", action="store_true", help="small sizes, under 5 minutes")
+    bench.add_argument("--out", default="bench-out", help="output directory (default: bench-out)")
+    bench.add_argument("--workload", action="append", help="only this workload (repeatable)")
+    bench.add_argument("--policy", action="append", help="only this policy (repeatable)")
+    bench.add_argument("--seeds", type=int, help="number of seeds")
+    bench.add_argument("--activations", action="store_true", help="the activation-compression benchmark")
+    bench.set_defaults(handler=cmd_bench)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``inshrink``; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.handler(args))
+    except (InkError, ValueError, OSError) as exc:
+        # InkError covers bad files; ValueError a bad option such as an unknown policy;
+        # OSError a path that cannot be read or written. All are the user's to fix.
+        _errors.print(
+            f"error: {exc}", highlight=False, markup=False, style="red"
+        )
+        return 1
+    except KeyboardInterrupt:
+        _errors.print("interrupted")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
