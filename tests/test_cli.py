@@ -1,0 +1,142 @@
+"""The inshrink command line, driven as a user would."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import inshrinkerator as ink
+from inshrinkerator.cli import human_bytes, main
+
+from .helpers import assert_same, training_state
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.fixture
+def weights(tmp_path: Path) -> Path:
+    torch.manual_seed(0)
+    tensors = {
+        "embed.weight": torch.randn(300, 64) * 0.02,
+        "layer.weight": torch.randn(64, 64) * 0.05,
+        "layer.bias": torch.zeros(64),
+        "half": torch.randn(40, 8).to(torch.bfloat16),
+        "position_ids": torch.arange(512).unsqueeze(0),
+    }
+    path = tmp_path / "model.safetensors"
+    save_file(tensors, path)
+    return path
+
+
+def test_safetensors_round_trip_through_ink(capsys, tmp_path: Path, weights: Path) -> None:
+    code, out, _ = run(capsys, "compress", str(weights), str(tmp_path / "m.ink"))
+    assert code == 0 and "m.ink" in out
+    code, _, _ = run(capsys, "decompress", str(tmp_path / "m.ink"), str(tmp_path / "back.safetensors"))
+    assert code == 0
+    original, back = load_file(weights), load_file(tmp_path / "back.safetensors")
+    assert list(original) == list(back)
+    for name in original:
+        assert_same(original[name], back[name], name)
+
+
+def test_info_shows_per_tensor_sizes_and_ratio(capsys, tmp_path: Path, weights: Path) -> None:
+    main(["compress", str(weights), str(tmp_path / "m.ink")])
+    capsys.readouterr()
+    code, out, _ = run(capsys, "info", str(tmp_path / "m.ink"))
+    assert code == 0
+    for expected in ("embed.weight", "position_ids", "byte_grouping", "total", "lossless"):
+        assert expected in out
+    code, out, _ = run(capsys, "info", "--json", str(tmp_path / "m.ink"))
+    summary = json.loads(out)
+    assert summary["stored_bytes"] == (tmp_path / "m.ink").stat().st_size
+    assert summary["ratio"] == pytest.approx(summary["raw_bytes"] / summary["stored_bytes"])
+    by_key = {t["key"]: t for t in summary["tensors"]}
+    assert by_key["embed.weight"]["raw_bytes"] == 300 * 64 * 4
+    assert by_key["position_ids"]["stored_bytes"] < by_key["position_ids"]["raw_bytes"] / 4
+
+
+def test_pt_nested_state_round_trip(capsys, tmp_path: Path) -> None:
+    state = training_state(steps=2)
+    torch.save(state, tmp_path / "ckpt.pt")
+    assert run(capsys, "compress", str(tmp_path / "ckpt.pt"), str(tmp_path / "c.ink"))[0] == 0
+    assert run(capsys, "decompress", str(tmp_path / "c.ink"), str(tmp_path / "back.pt"))[0] == 0
+    assert_same(state, torch.load(tmp_path / "back.pt", weights_only=True))
+    code, _, err = run(capsys, "decompress", str(tmp_path / "c.ink"), str(tmp_path / "back.safetensors"))
+    assert code == 1 and "flat" in err
+
+
+def test_verify_detects_a_damaged_file(capsys, tmp_path: Path, weights: Path) -> None:
+    main(["compress", str(weights), str(tmp_path / "m.ink")])
+    assert run(capsys, "verify", str(tmp_path / "m.ink"))[0] == 0
+    data = bytearray((tmp_path / "m.ink").read_bytes())
+    data[len(data) // 2] ^= 0x10
+    (tmp_path / "bad.ink").write_bytes(bytes(data))
+    code, out, _ = run(capsys, "verify", "--json", str(tmp_path / "bad.ink"))
+    report = json.loads(out)
+    assert code == 1 and not report["ok"] and "checksum" in report["problems"][0]
+
+
+def test_pickle_payload_is_refused_and_never_run(capsys, tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (Path.touch, (marker,))
+
+    (tmp_path / "evil.pt").write_bytes(pickle.dumps({"w": Payload()}))
+    code, _, err = run(capsys, "compress", str(tmp_path / "evil.pt"), str(tmp_path / "e.ink"))
+    assert code == 1 and "weights-only" in err
+    assert not marker.exists() and not (tmp_path / "e.ink").exists()
+
+
+def test_base_option_stores_a_delta(capsys, tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    base = {"w": torch.randn(128, 128) * 0.05}
+    tuned = {"w": base["w"] + torch.randn(128, 128) * 1e-5}
+    save_file(base, tmp_path / "base.safetensors")
+    save_file(tuned, tmp_path / "tuned.safetensors")
+    code, out, _ = run(capsys, "compress", "--json", "--base", str(tmp_path / "base.safetensors"),
+                       str(tmp_path / "tuned.safetensors"), str(tmp_path / "t.ink"))
+    assert code == 0 and json.loads(out)["kind"] == "delta"
+    assert run(capsys, "decompress", str(tmp_path / "t.ink"), str(tmp_path / "x.pt"))[0] == 1
+    assert run(capsys, "verify", "--base", str(tmp_path / "base.safetensors"), str(tmp_path / "t.ink"))[0] == 0
+    code = main(["decompress", "--base", str(tmp_path / "base.safetensors"), str(tmp_path / "t.ink"),
+                 str(tmp_path / "x.pt")])
+    assert code == 0 and torch.equal(torch.load(tmp_path / "x.pt", weights_only=True)["w"], tuned["w"])
+
+
+def test_bad_inputs_exit_1_with_a_message(capsys, tmp_path: Path) -> None:
+    (tmp_path / "junk.ink").write_bytes(b"not a checkpoint at all")
+    code, _, err = run(capsys, "info", str(tmp_path / "junk.ink"))
+    assert code == 1 and "not an inshrinkerator file" in err
+    code, _, err = run(capsys, "compress", str(tmp_path / "junk.ink"), str(tmp_path / "x.txt"))
+    assert code == 1
+    ink.save({"w": torch.ones(3)}, tmp_path / "ok.ink")
+    code, _, err = run(capsys, "compress", "--policy", "nope", str(tmp_path / "ok.ink"), str(tmp_path / "y.ink"))
+    assert code == 1 and "unknown policy" in err
+
+
+def test_console_script_runs(tmp_path: Path, weights: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "inshrinkerator", "compress", "--json", str(weights), str(tmp_path / "m.ink")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["ratio"] > 1.0
+
+
+def test_human_bytes() -> None:
+    assert human_bytes(12) == "12 B"
+    assert human_bytes(1536) == "1.5 KiB"
+    assert human_bytes(3 * 1024**3) == "3.0 GiB"
