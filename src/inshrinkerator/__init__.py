@@ -18,6 +18,7 @@ from .errors import (
 )
 from .info import SaveInfo
 from .single_file import load, save
+from .store import CheckpointManager
 
 __version__ = "0.1.0"
 
@@ -25,6 +26,7 @@ __all__ = [
     "save",
     "load",
     "SaveInfo",
+    "CheckpointManager",
     "policies",
     "InkError",
     "FormatError",

@@ -1,0 +1,92 @@
+"""Restore a step: follow its chain of base steps down to a full checkpoint, decode upwards.
+
+Only the files of the step's own chain are read: its manifest, its bases' manifests
+(found by name, no listing) and their data files.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Optional
+
+import torch
+
+from ..container import ContainerReader
+from ..errors import BrokenChainError, CheckpointNotFoundError, CorruptCheckpointError
+from ..serialize import read_state, reference_map
+from .commit import read_manifest
+from .manifest import StepManifest
+from .storage import RunStorage
+
+__all__ = ["resolve_chain", "read_step_state", "load_chain", "load_step"]
+
+
+def resolve_chain(storage: RunStorage, step: int) -> list[StepManifest]:
+    """The manifests needed to restore ``step``: its full checkpoint first, ``step`` last.
+
+    Raises:
+        CheckpointNotFoundError: ``step`` is not committed.
+        BrokenChainError: a base step it needs is missing.
+        CorruptCheckpointError: a manifest is damaged or the chain is inconsistent.
+    """
+    chain = [read_manifest(storage, step)]
+    while chain[-1].kind == "delta":
+        current = chain[-1]
+        base_step = current.base_step if current.base_step is not None else -1
+        try:
+            base = read_manifest(storage, base_step)
+        except CheckpointNotFoundError:
+            raise BrokenChainError(
+                f"{storage.location}: step {current.step} is a delta against step "
+                f"{current.base_step}, which is missing, so step {step} cannot be restored; "
+                "steps saved before it may still load"
+            ) from None
+        chain.append(base)
+    chain.reverse()
+    return chain
+
+
+def read_step_state(
+    storage: RunStorage,
+    manifest: StepManifest,
+    references: Optional[Mapping[str, torch.Tensor]],
+    needed_by: Optional[int] = None,
+) -> Any:
+    """Decode one step's data file against the reconstruction of its base (if a delta).
+
+    ``needed_by`` is the step being restored when this one is only its base, for messages.
+    """
+    where = storage.describe(manifest.data_file)
+    try:
+        handle = storage.open_read(manifest.data_file)
+    except FileNotFoundError:
+        message = f"{where}: the data file of step {manifest.step} is missing"
+        if needed_by is not None and needed_by != manifest.step:
+            raise BrokenChainError(f"{message}, and step {needed_by} is stored against it") from None
+        raise CorruptCheckpointError(f"{message}; the run was damaged") from None
+    with ContainerReader(handle, where) as reader:
+        size = reader.data_start + reader.header.data_bytes
+        if size != manifest.data_bytes or reader.meta.get("step", manifest.step) != manifest.step:
+            raise CorruptCheckpointError(
+                f"{where}: file does not match the manifest of step {manifest.step} "
+                f"({size} bytes, manifest says {manifest.data_bytes})"
+            )
+        hint = f"step {manifest.base_step} of the run must decode first"
+        return read_state(reader, references, reference_hint=hint)
+
+
+def load_chain(storage: RunStorage, chain: list[StepManifest]) -> Any:
+    """Decode a chain from :func:`resolve_chain`; the state of its last step."""
+    target = chain[-1].step
+    references: Optional[dict[str, torch.Tensor]] = None
+    state: Any = None
+    for manifest in chain:
+        state = read_step_state(storage, manifest, references, needed_by=target)
+        if manifest is not chain[-1]:
+            references = reference_map(state)
+    return state
+
+
+def load_step(storage: RunStorage, step: int) -> Any:
+    """The state saved at ``step`` (see :func:`resolve_chain` for the errors)."""
+    return load_chain(storage, resolve_chain(storage, step))
