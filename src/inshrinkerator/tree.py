@@ -7,16 +7,43 @@ A state is what people checkpoint today: nested ``dict`` / ``OrderedDict`` /
 leaves; :func:`unflatten` rebuilds the identical structure (container types,
 key types and key order preserved).
 
-Tensors that are the very same view of the same storage (same storage, offset,
-shape, stride and dtype) are stored once and come back as one tensor object,
-so tied weights stay tied.
+Exactness rules:
+
+* Plain values must be of exactly these types: subclasses (``IntEnum``,
+  ``numpy.float64``, namedtuples, ``defaultdict``) are refused rather than
+  silently turned into their base type.
+* Floats come back bit for bit, including ``-0.0``, infinities and the sign and
+  payload of NaNs (non-finite values and ``-0.0`` are stored as their 64-bit
+  pattern). Integers of any size come back exactly.
+* Strings holding surrogate code points (``"\\ud800"``; not valid Unicode text,
+  e.g. from ``surrogateescape`` decoding) are refused: JSON would merge an
+  adjacent surrogate pair into one character. Store such data as ``bytes``.
+* Tensors that are the very same view of the same storage (same storage,
+  offset, shape, stride, dtype) are stored once and come back as one tensor
+  object, so tied weights stay tied. Other views of a shared storage are
+  stored as separate tensors with their own values.
+
+Skeleton nodes (one-key JSON objects unless noted)::
+
+    null / true / false      None / bool
+    {"i": 12} {"ix": "-0x1f"}  int (hex text when wider than 64 bits)
+    {"f": 0.5} {"fb": "fff8000000000000"}  float (64-bit pattern when not finite or -0.0)
+    {"s": "text"} {"y": "<base64>"}  str / bytes
+    {"dt": "bfloat16"} {"sz": [2, 3]}  torch.dtype / torch.Size
+    {"t": 0}                 the tensor at that index
+    {"l": [...]} {"tu": [...]}  list / tuple
+    {"d": [[key, value], ...]} {"od": [...]}  dict / OrderedDict; a key is a bare
+                             string or one of the int / float / bool / None nodes ({"b": true},
+                             {"n": null} for bool and None keys).
 """
 
 from __future__ import annotations
 
 import base64
 import math
+import struct
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -24,12 +51,33 @@ import torch
 
 from .errors import FormatError, UnsupportedStateError
 
-__all__ = ["KeyPath", "TensorLeaf", "FlatState", "flatten", "unflatten", "format_key_path"]
+__all__ = [
+    "KeyPath",
+    "TensorLeaf",
+    "FlatState",
+    "MAX_DEPTH",
+    "flatten",
+    "unflatten",
+    "tensor_paths",
+    "format_key_path",
+]
 
 KeyPath = tuple[Union[str, int], ...]
 
-# Deep nesting in a file's skeleton must not blow the interpreter's stack.
-MAX_DEPTH = 200
+# Real states are a handful of levels deep; the limit keeps both directions far
+# from the interpreter's recursion limit, whatever a file claims.
+MAX_DEPTH = 100
+
+_DOUBLE = struct.Struct("<d")
+_BITS = struct.Struct("<Q")
+_INT64_BITS = 64
+# Every dtype torch defines, by name; never ``getattr(torch, name)`` on a name from a
+# file, which could import arbitrary lazily-loaded torch submodules.
+_DTYPES_BY_NAME: dict[str, torch.dtype] = {
+    str(value).removeprefix("torch."): value
+    for value in vars(torch).values()
+    if isinstance(value, torch.dtype)
+}
 
 
 @dataclass(frozen=True)
@@ -53,38 +101,71 @@ def format_key_path(path: KeyPath) -> str:
     return "/".join(str(part) for part in path) if path else "<root>"
 
 
-def _encode_float(value: float) -> Any:
-    # JSON has no NaN/Inf and -0.0 loses its sign through some encoders: hex is exact.
+def _has_surrogates(text: str) -> bool:
+    if text.isascii():
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+# ----------------------------------------------------------------------------- encoding
+
+
+def _encode_int(value: int) -> dict:
+    # Python's JSON refuses integers of more than 4300 digits; hex text has no such limit.
+    if value.bit_length() < _INT64_BITS:
+        return {"i": value}
+    return {"ix": hex(value)}
+
+
+def _encode_float(value: float) -> dict:
     if math.isfinite(value) and not (value == 0.0 and math.copysign(1.0, value) < 0):
-        return {"f": value}
-    return {"fx": value.hex()}
+        return {"f": value}  # JSON's shortest repr round-trips every finite float exactly
+    # JSON has no NaN/Inf, and -0.0 and NaN signs/payloads do not survive every encoder.
+    (bits,) = _BITS.unpack(_DOUBLE.pack(value))
+    return {"fb": f"{bits:016x}"}
+
+
+def _refuse_str(path: KeyPath, what: str) -> UnsupportedStateError:
+    return UnsupportedStateError(
+        f"{what} at {format_key_path(path)} holds surrogate code points, which are not valid "
+        "Unicode text and cannot be stored exactly; store it as bytes (e.g. "
+        "text.encode('utf-8', 'surrogateescape'))"
+    )
 
 
 def _encode_key(key: Any, path: KeyPath) -> Any:
-    if isinstance(key, bool):
-        return {"b": key}
-    if isinstance(key, int):
-        return {"i": key}
-    if isinstance(key, str):
+    kind = type(key)
+    if kind is str:
+        if _has_surrogates(key):
+            raise _refuse_str(path, f"dict key {key!r}")
         return key
-    if isinstance(key, float):
+    if kind is bool:
+        return {"b": key}
+    if kind is int:
+        return _encode_int(key)
+    if kind is float:
         return _encode_float(key)
     if key is None:
         return {"n": None}
     raise UnsupportedStateError(
-        f"dict key {key!r} of type {type(key).__name__} at {format_key_path(path)} is not "
-        "supported; use str, int, float, bool or None keys"
+        f"dict key {key!r} of type {kind.__module__}.{kind.__qualname__} at "
+        f"{format_key_path(path)} is not supported; use str, int, float, bool or None keys"
     )
 
 
 def _key_part(key: Any) -> Union[str, int]:
-    return key if isinstance(key, (str, int)) and not isinstance(key, bool) else str(key)
+    return key if type(key) in (str, int) else str(key)
 
 
 class _Flattener:
     def __init__(self) -> None:
         self.tensors: list[TensorLeaf] = []
         self._seen: dict[tuple, int] = {}
+        self._open: set[int] = set()  # ids of the containers on the current path
 
     def leaf_tensor(self, tensor: torch.Tensor, path: KeyPath) -> dict:
         if tensor.is_sparse or tensor.layout != torch.strided:
@@ -102,6 +183,8 @@ class _Flattener:
                 f"tensor at {format_key_path(path)} is a quantized or nested tensor, which "
                 "cannot be stored; dequantize or unbind it first"
             )
+        if tensor.dtype not in _DTYPES_BY_NAME.values():
+            raise UnsupportedStateError(f"tensor at {format_key_path(path)} has unknown dtype {tensor.dtype}")
         identity = (
             tensor.untyped_storage().data_ptr(),
             tensor.device,
@@ -109,169 +192,221 @@ class _Flattener:
             tuple(tensor.shape),
             tuple(tensor.stride()),
             tensor.dtype,
+            # conj() and neg views share everything above but hold other values.
+            tensor.is_conj(),
+            tensor.is_neg(),
         )
         index = self._seen.get(identity) if tensor.numel() else None
         if index is None:
             index = len(self.tensors)
-            self.tensors.append(TensorLeaf(path, tensor.detach()))
+            self.tensors.append(TensorLeaf(path, tensor.detach().resolve_conj().resolve_neg()))
             if tensor.numel():
                 self._seen[identity] = index
         return {"t": index}
 
     def visit(self, value: Any, path: KeyPath) -> Any:
-        if len(path) > MAX_DEPTH:
-            raise UnsupportedStateError(
-                f"state is nested deeper than {MAX_DEPTH} levels at {format_key_path(path[:8])}/..."
-            )
+        kind = type(value)
+        if value is None or kind is bool:
+            return value
+        if kind is int:
+            return _encode_int(value)
+        if kind is float:
+            return _encode_float(value)
+        if kind is str:
+            if _has_surrogates(value):
+                raise _refuse_str(path, "string")
+            return {"s": value}
+        if kind is bytes:
+            return {"y": base64.b64encode(value).decode("ascii")}
         if isinstance(value, torch.Tensor):
             return self.leaf_tensor(value, path)
-        if value is None:
-            return None
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, int):
-            return {"i": value}
-        if isinstance(value, float):
-            return _encode_float(value)
-        if isinstance(value, str):
-            return {"s": value}
-        if isinstance(value, bytes):
-            return {"y": base64.b64encode(value).decode("ascii")}
-        if isinstance(value, torch.dtype):
+        if kind is torch.dtype:
             return {"dt": str(value).removeprefix("torch.")}
-        if isinstance(value, torch.Size):
+        if kind is torch.Size:
             return {"sz": list(value)}
-        if isinstance(value, dict) and type(value) in (dict, OrderedDict):
-            kind = "od" if type(value) is OrderedDict else "d"
-            items = [
-                [_encode_key(k, path), self.visit(v, path + (_key_part(k),))]
-                for k, v in value.items()
-            ]
-            return {kind: items}
-        if type(value) in (list, tuple):
-            kind = "l" if type(value) is list else "tu"
-            return {kind: [self.visit(v, path + (i,)) for i, v in enumerate(value)]}
+        if kind in (dict, OrderedDict, list, tuple):
+            return self.visit_container(value, path)
         raise UnsupportedStateError(
-            f"value of type {type(value).__module__}.{type(value).__qualname__} at "
-            f"{format_key_path(path)} cannot be stored; a state holds tensors, dict/list/tuple "
-            "and int/float/bool/str/bytes/None only (convert it, or leave it out of the state)"
+            f"value of type {kind.__module__}.{kind.__qualname__} at "
+            f"{format_key_path(path)} cannot be stored; a state holds tensors, dict/OrderedDict/"
+            "list/tuple and int/float/bool/str/bytes/None of exactly those types (convert it, "
+            "e.g. float(x) for a numpy scalar or dict(d) for a dict subclass, or leave it out)"
         )
+
+    def visit_container(self, value: Any, path: KeyPath) -> dict:
+        if len(path) >= MAX_DEPTH:
+            raise UnsupportedStateError(
+                f"state is nested deeper than {MAX_DEPTH} levels at "
+                f"{format_key_path(path[:6])}/...; flatten that part of the state"
+            )
+        if id(value) in self._open:
+            raise UnsupportedStateError(
+                f"container at {format_key_path(path)} contains itself; a state must be a tree"
+            )
+        self._open.add(id(value))
+        try:
+            kind = type(value)
+            if kind in (dict, OrderedDict):
+                items = []
+                for key, item in value.items():
+                    items.append([_encode_key(key, path), self.visit(item, path + (_key_part(key),))])
+                return {"d" if kind is dict else "od": items}
+            nodes = [self.visit(item, path + (i,)) for i, item in enumerate(value)]
+            return {"l" if kind is list else "tu": nodes}
+        finally:
+            self._open.discard(id(value))
 
 
 def flatten(state: Any) -> FlatState:
     """Split ``state`` into a JSON-safe skeleton and its distinct tensors.
 
     Raises:
-        UnsupportedStateError: a leaf or key cannot be stored; the message names its key path.
+        UnsupportedStateError: a leaf or key cannot be stored exactly; the message names its
+            key path.
     """
     flattener = _Flattener()
     skeleton = flattener.visit(state, ())
     return FlatState(skeleton=skeleton, tensors=flattener.tensors)
 
 
-def _decode_float(node: dict) -> float:
-    if "f" in node:
-        value = node["f"]
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise FormatError(f"bad float node {node!r} in the state skeleton")
+# ----------------------------------------------------------------------------- decoding
+
+
+def _bad(node: Any, what: str = "node") -> FormatError:
+    return FormatError(f"bad {what} {str(node)[:80]!r} in the state skeleton")
+
+
+def _decode_scalar(tag: str, value: Any) -> Any:
+    """Decode an int or float node; raise ``KeyError`` when ``tag`` is neither."""
+    if tag == "i":
+        if type(value) is not int:
+            raise _bad({tag: value})
+        return value
+    if tag == "ix":
+        if type(value) is not str:
+            raise _bad({tag: value})
+        try:
+            return int(value, 16)
+        except ValueError:
+            raise _bad({tag: value}) from None
+    if tag == "f":
+        # 1e999 parses as inf; the writer never stores a non-finite value this way.
+        if type(value) not in (int, float) or not math.isfinite(value):
+            raise _bad({tag: value})
         return float(value)
-    text = node["fx"]
-    if not isinstance(text, str):
-        raise FormatError(f"bad float node {node!r} in the state skeleton")
-    try:
-        return float.fromhex(text)
-    except ValueError:
-        raise FormatError(f"bad float node {node!r} in the state skeleton") from None
+    if tag == "fb":
+        if type(value) is not str or len(value) != 16:
+            raise _bad({tag: value})
+        try:
+            return _DOUBLE.unpack(_BITS.pack(int(value, 16)))[0]
+        except ValueError:
+            raise _bad({tag: value}) from None
+    raise KeyError(tag)
 
 
 def _decode_key(node: Any) -> Any:
-    if isinstance(node, str):
+    if type(node) is str:
+        if _has_surrogates(node):
+            raise _bad(node, "dict key (surrogate code points)")
         return node
-    if isinstance(node, dict) and len(node) == 1:
-        (tag, value), = node.items()
-        if tag == "i" and isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if tag == "b" and isinstance(value, bool):
+    if type(node) is dict and len(node) == 1:
+        ((tag, value),) = node.items()
+        if tag == "b" and type(value) is bool:
             return value
         if tag == "n" and value is None:
             return None
-        if tag in ("f", "fx"):
-            return _decode_float(node)
-    raise FormatError(f"bad dict key node {node!r} in the state skeleton")
+        try:
+            return _decode_scalar(tag, value)
+        except KeyError:
+            pass
+    raise _bad(node, "dict key")
 
 
-def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
+def _decode_leaf(tag: str, value: Any) -> Any:
+    if tag == "s" and type(value) is str:
+        if _has_surrogates(value):
+            raise _bad(value, "string (surrogate code points)")
+        return value
+    if tag == "y" and type(value) is str:
+        try:
+            return base64.b64decode(value, validate=True)
+        except ValueError:
+            raise _bad({tag: value}) from None
+    if tag == "dt" and type(value) is str:
+        dtype = _DTYPES_BY_NAME.get(value)
+        if dtype is None:
+            raise FormatError(f"unknown dtype {value[:40]!r} in the state skeleton")
+        return dtype
+    if tag == "sz" and type(value) is list and all(type(v) is int and 0 <= v < 1 << 63 for v in value):
+        return torch.Size(value)
+    try:
+        return _decode_scalar(tag, value)
+    except KeyError:
+        raise _bad({tag: value}) from None
+
+
+TensorLookup = Callable[[int, KeyPath], Any]
+
+
+def _rebuild(node: Any, path: KeyPath, lookup: TensorLookup) -> Any:
+    if node is None or type(node) is bool:
+        return node
+    if type(node) is not dict or len(node) != 1:
+        raise _bad(node)
+    ((tag, value),) = node.items()
+    if tag in ("d", "od", "l", "tu"):
+        if type(value) is not list:
+            raise _bad(node)
+        if len(path) >= MAX_DEPTH:
+            raise FormatError(f"state skeleton is nested deeper than {MAX_DEPTH} levels")
+        if tag in ("l", "tu"):
+            items = [_rebuild(item, path + (i,), lookup) for i, item in enumerate(value)]
+            return items if tag == "l" else tuple(items)
+        result: dict = {} if tag == "d" else OrderedDict()
+        for item in value:
+            if type(item) is not list or len(item) != 2:
+                raise _bad(item, "dict item")
+            key = _decode_key(item[0])
+            if key in result:
+                raise FormatError(f"dict key {key!r} appears twice at {format_key_path(path)} in the state skeleton")
+            result[key] = _rebuild(item[1], path + (_key_part(key),), lookup)
+        return result
+    if tag == "t":
+        if type(value) is not int:
+            raise _bad(node)
+        return lookup(value, path)
+    return _decode_leaf(tag, value)
+
+
+def unflatten(skeleton: Any, tensors: Sequence[torch.Tensor]) -> Any:
     """Rebuild the state from a skeleton and its tensors (the inverse of :func:`flatten`).
 
     Raises:
         FormatError: the skeleton is malformed or points at a tensor that does not exist.
     """
 
-    def build(node: Any, depth: int) -> Any:
-        if depth > MAX_DEPTH:
-            raise FormatError(f"state skeleton is nested deeper than {MAX_DEPTH} levels")
-        if node is None or isinstance(node, bool):
-            return node
-        if not isinstance(node, dict) or len(node) != 1:
-            raise FormatError(f"bad node {str(node)[:80]!r} in the state skeleton")
-        (tag, value), = node.items()
-        if tag == "t":
-            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < len(tensors):
-                raise FormatError(f"state skeleton points at missing tensor {value!r}")
-            return tensors[value]
-        if tag == "i" and isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if tag in ("f", "fx"):
-            return _decode_float(node)
-        if tag == "s" and isinstance(value, str):
-            return value
-        if tag == "y" and isinstance(value, str):
-            try:
-                return base64.b64decode(value, validate=True)
-            except ValueError:
-                raise FormatError("bad bytes node in the state skeleton") from None
-        if tag == "dt" and isinstance(value, str):
-            dtype = getattr(torch, value, None)
-            if not isinstance(dtype, torch.dtype):
-                raise FormatError(f"unknown dtype {value!r} in the state skeleton")
-            return dtype
-        if tag == "sz" and isinstance(value, list) and all(
-            isinstance(v, int) and not isinstance(v, bool) for v in value
-        ):
-            return torch.Size(value)
-        if tag in ("d", "od") and isinstance(value, list):
-            result: dict = {} if tag == "d" else OrderedDict()
-            for item in value:
-                if not isinstance(item, list) or len(item) != 2:
-                    raise FormatError("bad dict item in the state skeleton")
-                result[_decode_key(item[0])] = build(item[1], depth + 1)
-            return result
-        if tag in ("l", "tu") and isinstance(value, list):
-            items = [build(v, depth + 1) for v in value]
-            return items if tag == "l" else tuple(items)
-        raise FormatError(f"bad node {str(node)[:80]!r} in the state skeleton")
+    def lookup(index: int, path: KeyPath) -> torch.Tensor:
+        if not 0 <= index < len(tensors):
+            raise FormatError(f"state skeleton points at missing tensor {index} at {format_key_path(path)}")
+        return tensors[index]
 
-    return build(skeleton, 0)
+    return _rebuild(skeleton, (), lookup)
 
 
 def tensor_paths(skeleton: Any) -> dict[int, KeyPath]:
-    """Map each tensor index in ``skeleton`` to the first key path it appears at."""
+    """Map each tensor index in ``skeleton`` to the first key path it appears at.
+
+    Validates the whole skeleton on the way.
+
+    Raises:
+        FormatError: the skeleton is malformed.
+    """
     found: dict[int, KeyPath] = {}
 
-    def walk(node: Any, path: KeyPath) -> None:
-        if not isinstance(node, dict) or len(node) != 1:
-            return
-        (tag, value), = node.items()
-        if tag == "t" and isinstance(value, int):
-            found.setdefault(value, path)
-        elif tag in ("d", "od") and isinstance(value, list):
-            for item in value:
-                if isinstance(item, list) and len(item) == 2:
-                    key = _decode_key(item[0])
-                    walk(item[1], path + (_key_part(key),))
-        elif tag in ("l", "tu") and isinstance(value, list):
-            for i, v in enumerate(value):
-                walk(v, path + (i,))
+    def record(index: int, path: KeyPath) -> None:
+        if index < 0:
+            raise FormatError(f"state skeleton points at missing tensor {index} at {format_key_path(path)}")
+        found.setdefault(index, path)
 
-    walk(skeleton, ())
+    _rebuild(skeleton, (), record)
     return found

@@ -1,4 +1,4 @@
-"""The ``.ink`` file layout (see docs/format.md), its constants and header validation.
+"""The ``.ink`` file layout (see docs/format.md), its limits and header validation.
 
 ::
 
@@ -6,27 +6,32 @@
     0       8     magic  b"\\x89INK\\r\\n\\x1a\\n"
     8       4     format version (u32, little-endian)
     12      4     flags (u32, must be 0)
-    16      8     header length H (u64, at most MAX_HEADER_BYTES)
+    16      8     header length H (u64, 1..MAX_HEADER_BYTES)
     24      4     CRC-32 of the header bytes (u32)
     28      4     reserved (must be 0)
     32      H     header: UTF-8 JSON
     ...           zero padding to a multiple of 64: the data region starts here
-    data    D     sections, each starting at a multiple of 64 from the data start
+    data    D     sections, each at the first multiple of 64 after the previous one,
+                  the gaps zero-filled
 
-The file is exactly ``data_start + data_bytes`` long; anything else is truncation
-or trailing garbage. Every section has an offset, a length and a CRC-32 in the
-header, sections lie in order and never overlap.
+The layout is canonical: every byte of a valid file is either fixed (magic,
+version, zero padding) or covered by a CRC-32 (the header, each section), and
+the file is exactly ``data_start + data_bytes`` long, so any truncation,
+trailing garbage or single damaged byte is detected.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import struct
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 from ..codecs.base import TensorSpec, dtype_from_name
+from ..codecs.registry import registered_codecs
 from ..errors import CorruptCheckpointError, FormatError
+from ..tree import KeyPath, tensor_paths
 
 __all__ = [
     "MAGIC",
@@ -34,6 +39,9 @@ __all__ = [
     "PREAMBLE",
     "ALIGNMENT",
     "MAX_HEADER_BYTES",
+    "MAX_DIMS",
+    "MAX_EXPANSION",
+    "EXPANSION_ALLOWANCE",
     "Section",
     "TensorRecord",
     "Header",
@@ -41,18 +49,30 @@ __all__ = [
     "unpack_preamble",
     "parse_header",
     "aligned",
+    "expansion_limit",
+    "check_expansion",
 ]
 
 MAGIC = b"\x89INK\r\n\x1a\n"
 FORMAT_VERSION = 1
 PREAMBLE = struct.Struct("<8sIIQII")
 ALIGNMENT = 64
-MAX_HEADER_BYTES = 64 << 20
+# About 31 header bytes per MiB of losslessly coded tensor data: 16 MiB describes
+# roughly 500 GB of tensors in one file. Parsing the worst 16 MiB of JSON takes
+# well under a second and a few hundred MB.
+MAX_HEADER_BYTES = 16 << 20
 MAX_DIMS = 64
-# A decoded tensor may be at most this many times larger than its stored bytes
-# (plus a small allowance), so a forged header cannot make a reader allocate
-# far more memory than the file could plausibly hold.
-MAX_EXPANSION = 1 << 20
+MAX_DIM_SIZE = 1 << 48
+MAX_NUMEL = 1 << 62
+# Codec configs and params are small flat objects; nesting beyond this is an attack.
+MAX_CONFIG_DEPTH = 16
+# A tensor may decode to at most ``max_expansion`` times its stored bytes plus
+# EXPANSION_ALLOWANCE, so a forged header cannot make a reader allocate far more
+# memory than the file could hold. zstd cannot exceed about 32768x (one 4-byte RLE
+# block per 128 KiB); codecs that store constant tensors in a few bytes declare a
+# larger ``max_expansion`` class attribute. The writer applies the same rule, so
+# it never writes a file the reader refuses.
+MAX_EXPANSION = 1 << 16
 EXPANSION_ALLOWANCE = 1 << 20
 
 
@@ -62,40 +82,47 @@ def aligned(offset: int) -> int:
 
 
 def pack_preamble(header_length: int, header_crc: int) -> bytes:
+    """The 32 bytes that start every ``.ink`` file."""
     return PREAMBLE.pack(MAGIC, FORMAT_VERSION, 0, header_length, header_crc, 0)
 
 
 def unpack_preamble(data: bytes, source: str) -> tuple[int, int]:
-    """Check the preamble; return ``(header_length, header_crc)``."""
+    """Check the preamble; return ``(header_length, header_crc)``.
+
+    Raises:
+        FormatError: not an ``.ink`` file, an unsupported version or a header length out of
+            bounds; CorruptCheckpointError: the file ends inside the preamble.
+    """
     if len(data) < PREAMBLE.size:
-        if MAGIC.startswith(data[: len(MAGIC)]) and data:
+        if data and MAGIC.startswith(data[: len(MAGIC)]):
             raise CorruptCheckpointError(f"{source}: file is truncated inside its preamble")
         raise FormatError(f"{source}: not an inshrinkerator file (too short for the .ink preamble)")
     magic, version, flags, header_length, header_crc, reserved = PREAMBLE.unpack(data[: PREAMBLE.size])
     if magic != MAGIC:
-        hint = " (it looks like a pickle/torch.save file; use `inshrink compress` to convert it)" if data[:1] in (b"\x80", b"PK") else ""
+        looks_pickled = data[:1] == b"\x80" or data[:2] == b"PK"
+        hint = " (it looks like a pickle/torch.save file; convert it with `inshrink compress`)" if looks_pickled else ""
         raise FormatError(f"{source}: not an inshrinkerator file (bad magic){hint}")
     if version != FORMAT_VERSION:
         raise FormatError(
             f"{source}: .ink format version {version} is not supported (this build reads "
-            f"version {FORMAT_VERSION}); upgrade inshrinkerator"
+            f"version {FORMAT_VERSION}); use the inshrinkerator release that wrote it"
         )
     if flags or reserved:
-        raise FormatError(f"{source}: reserved preamble fields are set; file is damaged or newer")
+        raise FormatError(f"{source}: reserved preamble fields are set; the file is damaged or newer")
     if header_length == 0 or header_length > MAX_HEADER_BYTES:
-        raise FormatError(
-            f"{source}: header length {header_length} is outside 1..{MAX_HEADER_BYTES} bytes"
-        )
+        raise FormatError(f"{source}: header length {header_length} is outside 1..{MAX_HEADER_BYTES} bytes")
     return header_length, header_crc
 
 
 @dataclass(frozen=True)
 class Section:
-    """One stored byte stream: where it lies in the data region and its CRC-32."""
+    """One stored byte stream: where it lies in the data region, its CRC-32, and the
+    number of zero bytes (alignment padding) just before it."""
 
     offset: int
     length: int
     crc32: int
+    padding: int = 0
 
 
 @dataclass(frozen=True)
@@ -106,7 +133,7 @@ class TensorRecord:
     codec: dict[str, Any]
     params: dict[str, Any]
     sections: tuple[Section, ...]
-    reference: Any  # None, or a JSON value naming what a delta codec decodes against
+    reference: Optional[str]  # None, or the name of what a delta codec decodes against
 
     @property
     def stored_bytes(self) -> int:
@@ -115,70 +142,153 @@ class TensorRecord:
 
 @dataclass(frozen=True)
 class Header:
+    """A validated header: the state's skeleton, one record per tensor, free-form meta."""
+
     skeleton: Any
     tensors: tuple[TensorRecord, ...]
     meta: dict[str, Any]
     data_bytes: int
+    #: tensor index -> the first key path it appears at in the skeleton
+    tensor_paths: dict[int, KeyPath] = field(default_factory=dict)
 
 
 def _is_uint(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return type(value) is int and value >= 0
+
+
+def _json_depth(value: Any) -> int:
+    depth, stack = 0, [(value, 1)]
+    while stack:
+        node, level = stack.pop()
+        if isinstance(node, (dict, list)):
+            depth = max(depth, level)
+            children = node.values() if isinstance(node, dict) else node
+            stack.extend((child, level + 1) for child in children)
+    return depth
+
+
+def expansion_limit(codec_config: dict[str, Any]) -> int:
+    """How many times its stored bytes a tensor of this codec may decode to."""
+    cls = registered_codecs().get(codec_config.get("id"))
+    limit = getattr(cls, "max_expansion", MAX_EXPANSION)
+    return limit if _is_uint(limit) else MAX_EXPANSION
+
+
+def check_expansion(spec: TensorSpec, stored_bytes: int, codec_config: dict[str, Any]) -> Optional[str]:
+    """``None`` if ``spec`` may come from ``stored_bytes`` with this codec, else why not."""
+    limit = expansion_limit(codec_config)
+    if spec.nbytes <= limit * stored_bytes + EXPANSION_ALLOWANCE:
+        return None
+    return (
+        f"{spec.nbytes} bytes of {str(spec.dtype).removeprefix('torch.')} {list(spec.shape)} from "
+        f"{stored_bytes} stored bytes is beyond what codec {codec_config.get('id')!r} may produce "
+        f"({limit}x + {EXPANSION_ALLOWANCE} bytes)"
+    )
 
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"non-standard JSON constant {name}")
 
 
-def parse_header(raw: bytes, source: str) -> Header:
-    """Decode and validate the JSON header; :class:`FormatError` on anything inconsistent."""
+def _load_json(raw: bytes, source: str) -> Any:
+    # The collector would rescan the millions of containers a hostile header can hold,
+    # turning a one-second parse into tens of seconds; nothing here forms cycles.
+    collecting = gc.isenabled()
+    gc.disable()
     try:
-        doc = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+        return json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise FormatError(f"{source}: header is not valid JSON ({str(exc)[:100]})") from None
-    if not isinstance(doc, dict) or doc.get("format") != "inshrinkerator":
+        raise FormatError(f"{source}: header is not valid UTF-8 JSON ({str(exc)[:100]})") from None
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _parse_sections(raw_sections: Any, cursor: int, data_bytes: int, where: str) -> tuple[tuple[Section, ...], int]:
+    if type(raw_sections) is not list:
+        raise FormatError(f"{where}: sections must be a list")
+    sections = []
+    for entry in raw_sections:
+        if not (type(entry) is list and len(entry) == 3 and all(_is_uint(v) for v in entry)):
+            raise FormatError(f"{where}: bad section entry {str(entry)[:80]}")
+        offset, length, crc = entry
+        if offset != aligned(cursor) or offset + length > data_bytes or crc >= 1 << 32:
+            raise FormatError(
+                f"{where}: section [{offset}, +{length}) does not start at the next aligned offset "
+                f"{aligned(cursor)} after the previous section (it overlaps, leaves a gap or is "
+                f"misaligned) or lies outside the data region of {data_bytes} bytes"
+            )
+        sections.append(Section(offset, length, crc, offset - cursor))
+        cursor = offset + length
+    return tuple(sections), cursor
+
+
+def _parse_record(item: Any, cursor: int, data_bytes: int, where: str) -> tuple[TensorRecord, int]:
+    if type(item) is not dict:
+        raise FormatError(f"{where}: record is not an object")
+    shape = item.get("shape")
+    if (
+        type(shape) is not list
+        or len(shape) > MAX_DIMS
+        or not all(_is_uint(d) and d < MAX_DIM_SIZE for d in shape)
+    ):
+        raise FormatError(f"{where}: bad shape {str(shape)[:80]} (at most {MAX_DIMS} dims, each below 2**48)")
+    try:
+        dtype = dtype_from_name(item.get("dtype"))
+    except FormatError as exc:
+        raise FormatError(f"{where}: {exc}") from None
+    spec = TensorSpec(dtype, tuple(shape))
+    if spec.numel >= MAX_NUMEL:
+        raise FormatError(f"{where}: shape {list(spec.shape)} has more than 2**62 elements")
+    codec, params, reference = item.get("codec"), item.get("params", {}), item.get("reference")
+    if type(codec) is not dict or type(codec.get("id")) is not str or type(params) is not dict:
+        raise FormatError(f"{where}: codec must be an object with a string 'id' and params an object")
+    if _json_depth(codec) > MAX_CONFIG_DEPTH or _json_depth(params) > MAX_CONFIG_DEPTH:
+        raise FormatError(f"{where}: codec config or params nest deeper than {MAX_CONFIG_DEPTH} levels")
+    if reference is not None and type(reference) is not str:
+        raise FormatError(f"{where}: reference must be null or a string")
+    sections, cursor = _parse_sections(item.get("sections"), cursor, data_bytes, where)
+    record = TensorRecord(spec, codec, params, sections, reference)
+    problem = check_expansion(spec, record.stored_bytes, codec)
+    if problem is not None:
+        raise FormatError(f"{where}: claims {problem}")
+    return record, cursor
+
+
+def parse_header(raw: bytes, source: str) -> Header:
+    """Decode and validate the JSON header.
+
+    Checks every record (dtype, shape, codec config, sections laid out canonically inside the
+    data region, claimed size against stored size) and the skeleton (well formed, pointing at
+    every tensor record and at nothing else).
+
+    Raises:
+        FormatError: anything invalid or inconsistent; the message names ``source``.
+    """
+    doc = _load_json(raw, source)
+    if type(doc) is not dict or doc.get("format") != "inshrinkerator" or "skeleton" not in doc:
         raise FormatError(f"{source}: header does not describe an inshrinkerator file")
-    data_bytes = doc.get("data_bytes")
-    tensors = doc.get("tensors")
-    meta = doc.get("meta", {})
-    if not _is_uint(data_bytes) or not isinstance(tensors, list) or not isinstance(meta, dict):
+    data_bytes, tensors, meta = doc.get("data_bytes"), doc.get("tensors"), doc.get("meta", {})
+    if not _is_uint(data_bytes) or type(tensors) is not list or type(meta) is not dict:
         raise FormatError(f"{source}: header lacks data_bytes/tensors/meta of the right types")
+    if "raw_bytes" in meta and not _is_uint(meta["raw_bytes"]) or "policy" in meta and type(meta["policy"]) is not str:
+        raise FormatError(f"{source}: header meta has a bad raw_bytes or policy")
     records = []
     cursor = 0
     for index, item in enumerate(tensors):
-        where = f"{source}: tensor #{index}"
-        if not isinstance(item, dict):
-            raise FormatError(f"{where}: record is not an object")
-        shape = item.get("shape")
-        if (
-            not isinstance(shape, list)
-            or len(shape) > MAX_DIMS
-            or not all(_is_uint(d) and d < (1 << 48) for d in shape)
-        ):
-            raise FormatError(f"{where}: bad shape {str(shape)[:80]}")
-        spec = TensorSpec(dtype_from_name(item.get("dtype")), tuple(shape))
-        codec, params = item.get("codec"), item.get("params", {})
-        if not isinstance(codec, dict) or not isinstance(params, dict):
-            raise FormatError(f"{where}: codec and params must be objects")
-        sections = []
-        raw_sections = item.get("sections")
-        if not isinstance(raw_sections, list):
-            raise FormatError(f"{where}: sections must be a list")
-        for entry in raw_sections:
-            if not (isinstance(entry, list) and len(entry) == 3 and all(_is_uint(v) for v in entry)):
-                raise FormatError(f"{where}: bad section entry {str(entry)[:80]}")
-            offset, length, crc = entry
-            if offset < cursor or offset % ALIGNMENT or offset + length > data_bytes or crc >= 1 << 32:
-                raise FormatError(
-                    f"{where}: section [{offset}, +{length}) overlaps another, is misaligned or "
-                    f"lies outside the data region of {data_bytes} bytes"
-                )
-            cursor = offset + length
-            sections.append(Section(offset, length, crc))
-        stored = sum(s.length for s in sections)
-        if spec.numel >= 1 << 62 or spec.nbytes > MAX_EXPANSION * stored + EXPANSION_ALLOWANCE:
-            raise FormatError(
-                f"{where}: claims {spec.nbytes} bytes of {spec.dtype} {list(spec.shape)} from "
-                f"{stored} stored bytes, which no codec produces"
-            )
-        records.append(TensorRecord(spec, codec, params, tuple(sections), item.get("reference")))
-    return Header(doc.get("skeleton"), tuple(records), meta, data_bytes)
+        record, cursor = _parse_record(item, cursor, data_bytes, f"{source}: tensor #{index}")
+        records.append(record)
+    if cursor != data_bytes:
+        raise FormatError(f"{source}: the data region is {data_bytes} bytes but its sections end at {cursor}")
+    try:
+        paths = tensor_paths(doc["skeleton"])
+    except FormatError as exc:
+        raise FormatError(f"{source}: {exc}") from None
+    if set(paths) != set(range(len(records))):
+        missing = sorted(set(range(len(records))) - set(paths))[:5]
+        extra = sorted(set(paths) - set(range(len(records))))[:5]
+        raise FormatError(
+            f"{source}: skeleton and tensor records disagree (records never used: {missing}, "
+            f"missing records: {extra})"
+        )
+    return Header(doc["skeleton"], tuple(records), meta, data_bytes, paths)

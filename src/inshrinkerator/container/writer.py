@@ -6,10 +6,11 @@ import json
 import shutil
 import tempfile
 import zlib
-from typing import IO, Any
+from typing import IO, Any, Optional
 
 from ..codecs.base import Encoded, TensorSpec, dtype_name
-from .format import PREAMBLE, aligned, pack_preamble
+from ..errors import FormatError, UnsupportedStateError
+from .format import MAX_HEADER_BYTES, PREAMBLE, aligned, check_expansion, pack_preamble
 
 __all__ = ["ContainerWriter"]
 
@@ -33,15 +34,32 @@ class ContainerWriter:
         self._records: list[dict[str, Any]] = []
         self._cursor = 0
 
-    def add(self, spec: TensorSpec, codec_config: dict[str, Any], encoded: Encoded, reference: Any = None) -> int:
-        """Append one tensor's streams; returns the bytes stored for it."""
+    def add(
+        self,
+        spec: TensorSpec,
+        codec_config: dict[str, Any],
+        encoded: Encoded,
+        reference: Optional[str] = None,
+    ) -> int:
+        """Append one tensor's streams; returns the bytes stored for it.
+
+        Raises:
+            FormatError: the codec's output breaks a rule the reader enforces (it decodes
+                to more than the codec's ``max_expansion`` allows): a bug in the codec.
+        """
+        views = [memoryview(stream).cast("B") for stream in encoded.streams]
+        problem = check_expansion(spec, sum(view.nbytes for view in views), codec_config)
+        if problem is not None:
+            raise FormatError(
+                f"refusing to write a file the reader would reject: {problem}; the codec must "
+                "declare a larger max_expansion class attribute"
+            )
         sections = []
         stored = 0
-        for stream in encoded.streams:
+        for view in views:
             offset = aligned(self._cursor)
             if offset > self._cursor:
                 self._spool.write(b"\0" * (offset - self._cursor))
-            view = memoryview(stream).cast("B")
             self._spool.write(view)
             sections.append([offset, view.nbytes, zlib.crc32(view)])
             self._cursor = offset + view.nbytes
@@ -59,7 +77,12 @@ class ContainerWriter:
         return stored
 
     def finish(self, out: IO[bytes], skeleton: Any, meta: dict[str, Any]) -> int:
-        """Write preamble, header and data to ``out``; returns the file size."""
+        """Write preamble, header and data to ``out``; returns the file size.
+
+        Raises:
+            UnsupportedStateError: the header would exceed the format's size limit (a state
+                with millions of plain values: store long lists of numbers as tensors).
+        """
         header = json.dumps(
             {
                 "format": "inshrinkerator",
@@ -71,6 +94,12 @@ class ContainerWriter:
             separators=(",", ":"),
             allow_nan=False,
         ).encode("utf-8")
+        if len(header) > MAX_HEADER_BYTES:
+            raise UnsupportedStateError(
+                f"the state's structure needs a {len(header)}-byte header, over the "
+                f"{MAX_HEADER_BYTES}-byte limit of the .ink format; store long lists of plain "
+                "numbers as tensors, or split the state"
+            )
         out.write(pack_preamble(len(header), zlib.crc32(header)))
         out.write(header)
         data_start = aligned(PREAMBLE.size + len(header))
