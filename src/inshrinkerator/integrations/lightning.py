@@ -1,0 +1,156 @@
+"""PyTorch Lightning: compressed checkpoints through a ``CheckpointIO`` plugin.
+
+::
+
+    from inshrinkerator.integrations.lightning import InkCheckpointIO
+    trainer = Trainer(plugins=[InkCheckpointIO()], callbacks=[ModelCheckpoint(save_top_k=2, ...)])
+    trainer.fit(model)                                # every .ckpt is compressed
+    trainer.fit(model, ckpt_path="path/to/x.ckpt")    # resumes from one
+
+Wrap it in Lightning's ``AsyncCheckpointIO`` to compress and write off the training
+thread. Each ``.ckpt`` is a delta against a keyframe kept in ``.ink-keyframes/`` beside
+it (see :mod:`inshrinkerator.integrations._keyframes`), so ``ModelCheckpoint`` may delete
+any checkpoint (``save_top_k``) and every checkpoint it keeps still restores.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+
+try:
+    from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+except ImportError:  # the standalone package
+    try:
+        from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO  # type: ignore[no-redef]
+    except ImportError as error:
+        raise ImportError(
+            "inshrinkerator.integrations.lightning needs PyTorch Lightning: "
+            "pip install 'inshrinkerator[lightning]'"
+        ) from error
+
+from ..errors import CheckpointNotFoundError
+from ..policies import Policy
+from ._keyframes import KEYFRAME_DIR, KeyframeStore
+
+__all__ = ["InkCheckpointIO"]
+
+
+def _plain(value: Any) -> Any:
+    """Mapping subclasses (Lightning's ``AttributeDict`` hyper-parameters) as plain dicts."""
+    if isinstance(value, Mapping) and type(value) is not dict and not hasattr(value, "move_to_end"):
+        return {key: _plain(item) for key, item in value.items()}
+    if type(value) is dict:
+        return {key: _plain(item) for key, item in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_plain(item) for item in value)
+    return value
+
+
+def _move(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return type(value)((key, _move(item, device)) for key, item in value.items())
+    if type(value) in (list, tuple):
+        return type(value)(_move(item, device) for item in value)
+    return value
+
+
+class InkCheckpointIO(CheckpointIO):
+    """Saves Lightning checkpoints compressed; loads them back; deletes them safely.
+
+    Args:
+        policy: a policy name or object (default: the manager's default policy).
+        full_every: a new keyframe every this many saves in a folder; the others are
+            deltas against it.
+
+    Paths are local files. Loading also accepts a plain ``.ink`` file.
+    """
+
+    def __init__(self, policy: Union[str, Policy, None] = None, full_every: int = 10) -> None:
+        super().__init__()
+        self.policy = policy
+        self.full_every = full_every
+        self._stores: dict[Path, KeyframeStore] = {}
+        self._lock = threading.Lock()
+        # Paths Lightning removed before their save ran (AsyncCheckpointIO queues saves
+        # but removes on the caller's thread): deleted as soon as their save lands.
+        self._removed_early: set[Path] = set()
+
+    def _store(self, path: Path) -> KeyframeStore:
+        folder = path.parent
+        with self._lock:
+            store = self._stores.get(folder)
+            if store is None:
+                store = KeyframeStore(folder / KEYFRAME_DIR, self.policy, self.full_every)
+                self._stores[folder] = store
+            return store
+
+    @staticmethod
+    def _local(path: Union[str, "os.PathLike[str]"]) -> Path:
+        text = os.fspath(path)
+        if "://" in text:
+            raise ValueError(
+                f"{text}: InkCheckpointIO writes local paths only; for object stores use "
+                "inshrinkerator.CheckpointManager"
+            )
+        return Path(text).absolute()
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Union[str, "os.PathLike[str]"],
+        storage_options: Optional[Any] = None,
+    ) -> None:
+        """Compress ``checkpoint`` into ``path``.
+
+        Raises:
+            TypeError: ``storage_options`` was given (there are none).
+            UnsupportedStateError: the checkpoint holds a value that cannot be stored.
+        """
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} takes no storage_options")
+        target = self._local(path)
+        self._store(target).save(_plain(checkpoint), target, step=checkpoint.get("global_step"))
+        with self._lock:
+            removed = target in self._removed_early
+            self._removed_early.discard(target)
+        if removed:
+            self._store(target).remove(target)
+
+    def load_checkpoint(
+        self, path: Union[str, "os.PathLike[str]"], map_location: Optional[Any] = None,
+        weights_only: Optional[bool] = None,
+    ) -> dict[str, Any]:
+        """The checkpoint at ``path``; tensors moved to ``map_location`` if it names a device.
+
+        No pickle is involved, so ``weights_only`` changes nothing.
+
+        Raises:
+            FileNotFoundError (CheckpointNotFoundError): no checkpoint at ``path``.
+            BrokenChainError: its keyframe was deleted by hand.
+        """
+        target = self._local(path)
+        if not target.exists():
+            raise CheckpointNotFoundError(f"Checkpoint file not found: {target}")
+        checkpoint = self._store(target).load(target)
+        if isinstance(map_location, (str, torch.device)):
+            checkpoint = _move(checkpoint, torch.device(map_location))
+        return checkpoint
+
+    def remove_checkpoint(self, path: Union[str, "os.PathLike[str]"]) -> None:
+        """Delete the checkpoint at ``path``; keyframes go once no kept checkpoint needs them."""
+        target = self._local(path)
+        if not target.exists():
+            with self._lock:
+                self._removed_early.add(target)
+            return
+        self._store(target).remove(target)
+
+    def teardown(self) -> None:
+        with self._lock:
+            self._stores.clear()
