@@ -185,23 +185,25 @@ class _Flattener:
             )
         if tensor.dtype not in _DTYPES_BY_NAME.values():
             raise UnsupportedStateError(f"tensor at {format_key_path(path)} has unknown dtype {tensor.dtype}")
-        identity = (
-            tensor.untyped_storage().data_ptr(),
-            tensor.device,
-            tensor.storage_offset(),
-            tuple(tensor.shape),
-            tuple(tensor.stride()),
-            tensor.dtype,
-            # conj() and neg views share everything above but hold other values.
-            tensor.is_conj(),
-            tensor.is_neg(),
-        )
-        index = self._seen.get(identity) if tensor.numel() else None
+        if tensor.numel():
+            identity: tuple = (
+                tensor.untyped_storage().data_ptr(),
+                tensor.device,
+                tensor.storage_offset(),
+                tuple(tensor.shape),
+                tuple(tensor.stride()),
+                tensor.dtype,
+                # conj() and neg views share everything above but hold other values.
+                tensor.is_conj(),
+                tensor.is_neg(),
+            )
+        else:
+            identity = ("empty", id(tensor))  # empty tensors have no storage to compare
+        index = self._seen.get(identity)
         if index is None:
             index = len(self.tensors)
             self.tensors.append(TensorLeaf(path, tensor.detach().resolve_conj().resolve_neg()))
-            if tensor.numel():
-                self._seen[identity] = index
+            self._seen[identity] = index
         return {"t": index}
 
     def visit(self, value: Any, path: KeyPath) -> Any:
