@@ -6,6 +6,12 @@ from .raw import RawCodec
 from .registry import get_codec, register_codec, registered_codecs
 from .xor_delta import XorDeltaCodec
 from .entropy import decode_symbols, encode_symbols, order0_entropy_bits
+from .residual import ResidualCodec
+from .exponent_bucket import ExponentBucketCodec
+from .kmeans_quantize import KMeansQuantizeCodec
+from .uniform_quantize import UniformQuantizeCodec
+from .entropy_width_quantize import EntropyWidthQuantizeCodec
+from .cyclic_code_delta import CyclicCodeDeltaCodec
 
 __all__ = [
     "Codec",
@@ -22,4 +28,10 @@ __all__ = [
     "encode_symbols",
     "decode_symbols",
     "order0_entropy_bits",
+    "ResidualCodec",
+    "ExponentBucketCodec",
+    "KMeansQuantizeCodec",
+    "UniformQuantizeCodec",
+    "EntropyWidthQuantizeCodec",
+    "CyclicCodeDeltaCodec",
 ]

@@ -5,11 +5,24 @@ from __future__ import annotations
 from typing import Union
 
 from .base import Policy
+from .cnr import CheckNRun
+from .excp import ExCP
+from .lc_checkpoint import LCCheckpoint
 from .lossless import Lossless
+from .qd import QDCompressor
 
-__all__ = ["Policy", "Lossless", "resolve_policy", "POLICY_NAMES"]
+__all__ = [
+    "Policy", "Lossless", "LCCheckpoint", "ExCP", "CheckNRun", "QDCompressor",
+    "resolve_policy", "POLICY_NAMES",
+]
 
-_FACTORIES = {"lossless": Lossless}
+_FACTORIES = {
+    "lossless": Lossless,
+    "lc-checkpoint": LCCheckpoint,
+    "excp": ExCP,
+    "cnr": CheckNRun,
+    "qd": QDCompressor,
+}
 
 #: The policy names ``save`` and ``CheckpointManager`` accept.
 POLICY_NAMES = tuple(_FACTORIES)

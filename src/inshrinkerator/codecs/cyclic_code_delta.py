@@ -1,0 +1,115 @@
+"""QD-Compressor's delta: integer codes stored as cyclic differences against the previous codes.
+
+The tensor is quantized as in :mod:`.entropy_width_quantize` (one uniform grid of
+``B`` levels, ``B`` set by the values' entropy). The codes of the previous
+checkpoint are taken from the *reference* (the previous reconstructed tensor)
+quantized on the current grid; the stored symbols are ``(code - previous) mod B``,
+entropy coded. When weights move less than a grid step most symbols are 0, which
+the entropy coder stores in a fraction of a bit each.
+
+Paper vs this code (QD-Compressor as re-implemented in Inshrinkerator;
+research/algorithms.md §1.6 and §5):
+
+- The difference is cyclic (mod ``B``), treating the bins as a circular buffer, so
+  a symbol needs ``log2 B`` bits at most, as in QD.
+- The previous codes: QD keeps the previous checkpoint's integer codes. We
+  recompute them deterministically from the reference and the *current* grid
+  (stored in this tensor's params), so no previous params or codes are stored or
+  looked up: when the grid has not moved they are exactly the previous codes, and
+  when it has, they are the previous reconstruction expressed on the new grid,
+  which is what the decoder needs. Encoder and decoder run the same float
+  operations on the same reference bits, so they agree exactly.
+- Closed loop: the reconstruction is the current grid's value of the current
+  codes, so the error of every checkpoint is that of one quantization
+  (``<= scale / 2``) however long the chain is.
+
+The reference's CRC-32 is recorded; decoding against another reference is a
+:class:`BrokenChainError`.
+
+Streams: ``[entropy-coded cyclic differences]``; params: ``bins``, ``low``,
+``scale``, ``reference_crc32``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import torch
+
+from ..errors import BrokenChainError, CorruptCheckpointError
+from .base import Codec, Encoded, TensorSpec
+from .entropy import decode_symbols, encode_symbols
+from .entropy_width_quantize import UniformGrid, check_bin_bounds, entropy_bin_count
+from .lossy_input import checked_float_input, require_float_spec
+from .registry import register_codec
+from .xor_delta import reference_checksum
+
+__all__ = ["CyclicCodeDeltaCodec"]
+
+
+def _checked_reference(spec: TensorSpec, reference: Optional[torch.Tensor]) -> torch.Tensor:
+    if reference is None:
+        raise BrokenChainError("this tensor is stored as a code delta; its reference tensor is missing")
+    if reference.dtype != spec.dtype or tuple(reference.shape) != spec.shape:
+        raise BrokenChainError(
+            f"the reference is {reference.dtype} {list(reference.shape)}, but the code delta was "
+            f"taken against {spec.dtype} {list(spec.shape)}"
+        )
+    return reference
+
+
+@register_codec
+class CyclicCodeDeltaCodec(Codec):
+    """Entropy-width uniform codes, stored as ``(code - reference code) mod B``.
+
+    Args:
+        min_bins: fewest grid levels a tensor gets.
+        max_bins: most grid levels (and the histogram resolution of the entropy estimate).
+    """
+
+    codec_id = "cyclic_code_delta"
+    lossless = False
+    uses_reference = True
+
+    def __init__(self, min_bins: int = 8, max_bins: int = 256) -> None:
+        check_bin_bounds(self.codec_id, min_bins, max_bins)
+        self.min_bins = min_bins
+        self.max_bins = max_bins
+
+    def encode(self, tensor: torch.Tensor, reference: Optional[torch.Tensor] = None) -> Encoded:
+        reference = _checked_reference(TensorSpec.of(tensor), reference)
+        flat = checked_float_input(tensor, self.codec_id)
+        previous = checked_float_input(reference.to(flat.device), self.codec_id)
+        grid = UniformGrid.spanning(flat, entropy_bin_count(flat, self.min_bins, self.max_bins))
+        codes = grid.codes(flat)
+        differences = torch.remainder(codes - grid.codes(previous), grid.bins)
+        return Encoded(
+            streams=[encode_symbols(differences, grid.bins)],
+            params={**grid.params(), "reference_crc32": reference_checksum(reference)},
+            reconstruction=grid.values(codes).reshape(tensor.shape).to(tensor.dtype),
+        )
+
+    def decode(
+        self,
+        streams: Sequence[Any],
+        params: dict[str, Any],
+        spec: TensorSpec,
+        reference: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        reference = _checked_reference(spec, reference)
+        compute = require_float_spec(spec, self.codec_id)
+        grid = UniformGrid.from_params(params, compute, self.codec_id, self.max_bins)
+        if params.get("reference_crc32") != reference_checksum(reference):
+            raise BrokenChainError(
+                "the reference tensor differs from the one this code delta was taken against "
+                "(checksum mismatch): load it against the same previous checkpoint or base"
+            )
+        if len(streams) != 1:
+            raise CorruptCheckpointError(f"{self.codec_id}: expected 1 stream, got {len(streams)}")
+        differences = decode_symbols(streams[0], spec.numel)
+        if differences.numel() and int(differences.max()) >= grid.bins:
+            raise CorruptCheckpointError(f"{self.codec_id}: a symbol lies outside the {grid.bins}-level grid")
+        previous = grid.codes(reference.detach().reshape(-1).to("cpu", compute))
+        codes = torch.remainder(previous + differences, grid.bins)
+        return grid.values(codes).reshape(spec.shape).to(spec.dtype)

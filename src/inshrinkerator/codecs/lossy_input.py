@@ -1,0 +1,47 @@
+"""What the lossy codecs accept, and the precision they compute in.
+
+Lossy codecs take floating tensors with finite values only: a NaN or an
+infinity has no meaningful quantized value, so policies keep such tensors
+lossless and a codec refuses them instead of writing garbage. Arithmetic runs
+in float32 (float64 tensors in float64), whatever the stored dtype, so the
+encoder's reconstruction and the decoder's output are computed by the same
+operations in the same precision and agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import FormatError
+from .base import TensorSpec
+
+__all__ = ["working_dtype", "checked_float_input", "require_float_spec"]
+
+
+def working_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The precision a lossy codec computes in for a tensor of ``dtype``."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def checked_float_input(tensor: torch.Tensor, codec_id: str) -> torch.Tensor:
+    """``tensor`` flattened and cast to its working dtype.
+
+    Raises:
+        ValueError: the tensor is not floating point or holds NaN / infinity.
+    """
+    if not tensor.dtype.is_floating_point:
+        raise ValueError(f"{codec_id}: needs a floating tensor, got {tensor.dtype}")
+    flat = tensor.detach().reshape(-1).to(working_dtype(tensor.dtype))
+    if flat.numel() and not bool(torch.isfinite(flat).all()):
+        raise ValueError(
+            f"{codec_id}: the tensor holds NaN or infinite values, which cannot be quantized; "
+            "store it with a lossless codec"
+        )
+    return flat
+
+
+def require_float_spec(spec: TensorSpec, codec_id: str) -> torch.dtype:
+    """The working dtype for decoding ``spec``; :class:`FormatError` if it is not floating."""
+    if not spec.dtype.is_floating_point:
+        raise FormatError(f"{codec_id}: cannot decode into a {spec.dtype} tensor")
+    return working_dtype(spec.dtype)

@@ -1,0 +1,183 @@
+"""The role of every tensor in a training state, and which parameter each optimizer entry serves.
+
+Policies treat weights, optimizer moments and everything else differently, but
+they only see flattened tensors with their key paths. This module reads those
+paths:
+
+- An *optimizer state entry* is a tensor at ``<root>/state/<id>/<name>`` (a
+  ``torch.optim`` ``state_dict()`` anywhere in the state, ``<id>`` an int or a
+  digit string): ``exp_avg`` is a :attr:`TensorRole.FIRST_MOMENT`,
+  ``exp_avg_sq`` a :attr:`TensorRole.SECOND_MOMENT`, ``momentum_buffer`` a
+  :attr:`TensorRole.MOMENTUM_BUFFER`; ``step``, ``max_exp_avg_sq`` (AMSGrad) and
+  any other name are :attr:`TensorRole.OTHER`. Everything under such a ``<root>``
+  belongs to the optimizer.
+- A :attr:`TensorRole.WEIGHT` is any other floating tensor, except the module
+  buffers ``running_mean``, ``running_var`` and ``num_batches_tracked`` (the last
+  part of a dotted ``state_dict`` key; OTHER).
+- Everything else (integer, bool and complex tensors, RNG states) is OTHER.
+
+Pairing. ``torch.optim`` numbers parameters in the order they were passed to it,
+normally ``model.parameters()``, which is the order of the model's
+``state_dict()`` without its buffers. So the entries of one optimizer, by
+increasing id, are matched in order to the WEIGHT tensors, skipping weights whose
+shape differs from the entry's (unnamed float buffers, such as a causal mask,
+sit between parameters in a state dict; parameters without optimizer state leave
+gaps in the ids). If the matching runs out of weights, or two optimizers claim
+the same weight, that optimizer's entries stay unpaired: pairing only steers
+compression decisions, never correctness, so an unsure match is dropped.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import torch
+
+from ..tree import KeyPath, TensorLeaf
+
+__all__ = ["TensorRole", "StateLayout", "layout_of", "MODULE_BUFFER_NAMES", "OPTIMIZER_ENTRY_ROLES"]
+
+
+class TensorRole(enum.Enum):
+    """What a tensor is in a training state."""
+
+    WEIGHT = "weight"
+    FIRST_MOMENT = "first_moment"
+    SECOND_MOMENT = "second_moment"
+    MOMENTUM_BUFFER = "momentum_buffer"
+    OTHER = "other"
+
+
+#: Optimizer state names with a role of their own; every other name is OTHER.
+OPTIMIZER_ENTRY_ROLES: dict[str, TensorRole] = {
+    "exp_avg": TensorRole.FIRST_MOMENT,
+    "exp_avg_sq": TensorRole.SECOND_MOMENT,
+    "momentum_buffer": TensorRole.MOMENTUM_BUFFER,
+}
+
+#: Module buffers that are model state but not parameters (never paired, role OTHER).
+MODULE_BUFFER_NAMES = frozenset({"running_mean", "running_var", "num_batches_tracked"})
+
+_MOMENT_ROLES = frozenset(OPTIMIZER_ENTRY_ROLES.values())
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """Roles and parameter pairing of a state's tensors, by leaf index.
+
+    Attributes:
+        roles: the role of each leaf.
+        parameter_of: for an optimizer state leaf, the index of the WEIGHT leaf it
+            belongs to (``None`` when unpaired); ``None`` for every other leaf.
+    """
+
+    roles: tuple[TensorRole, ...]
+    parameter_of: tuple[Optional[int], ...]
+    _by_weight: dict[int, dict[TensorRole, int]] = field(default_factory=dict, repr=False, compare=False)
+    _by_entry: dict[int, dict[TensorRole, int]] = field(default_factory=dict, repr=False, compare=False)
+
+    def optimizer_state_of(self, weight: int) -> dict[TensorRole, int]:
+        """The moment leaves paired with WEIGHT leaf ``weight``, by role (empty when none)."""
+        return dict(self._by_weight.get(weight, {}))
+
+    def entry_moments(self, index: int) -> dict[TensorRole, int]:
+        """The moment leaves of the optimizer entry (same optimizer, same id) holding leaf ``index``.
+
+        Includes ``index`` itself; works for unpaired entries too; empty for other leaves.
+        """
+        return dict(self._by_entry.get(index, {}))
+
+    def indices(self, role: TensorRole) -> list[int]:
+        """The leaf indices with ``role``, in order."""
+        return [index for index, r in enumerate(self.roles) if r is role]
+
+
+def _optimizer_entry(path: KeyPath) -> Optional[tuple[KeyPath, int, str]]:
+    """``(root, id, name)`` when ``path`` is ``<root>/state/<id>/<name>``."""
+    if len(path) < 3 or path[-3] != "state" or not isinstance(path[-1], str):
+        return None
+    identifier: Union[str, int] = path[-2]
+    if isinstance(identifier, str):
+        if not identifier.isdigit():
+            return None
+        identifier = int(identifier)
+    if isinstance(identifier, bool):
+        return None
+    return path[:-3], identifier, path[-1]
+
+
+def _role_of_entry(name: str, tensor: torch.Tensor) -> TensorRole:
+    role = OPTIMIZER_ENTRY_ROLES.get(name, TensorRole.OTHER)
+    return role if tensor.dtype.is_floating_point else TensorRole.OTHER
+
+
+def _match_in_order(
+    entries: dict[int, dict[TensorRole, int]],
+    leaves: Sequence[TensorLeaf],
+    weights: list[int],
+) -> Optional[dict[int, int]]:
+    """Optimizer id -> weight leaf index, or ``None`` when the ids cannot be matched in order."""
+    matched: dict[int, int] = {}
+    offset = 0
+    for identifier in sorted(entries):
+        shapes = {tuple(leaves[i].tensor.shape) for i in entries[identifier].values()}
+        if len(shapes) != 1:
+            return None
+        (shape,) = shapes
+        position = identifier + offset
+        while position < len(weights) and tuple(leaves[weights[position]].tensor.shape) != shape:
+            position += 1
+        if position >= len(weights):
+            return None
+        matched[identifier] = weights[position]
+        offset = position - identifier
+    return matched
+
+
+def layout_of(leaves: Sequence[TensorLeaf]) -> StateLayout:
+    """Classify every leaf of a flattened state and pair optimizer entries with weights."""
+    roles: list[TensorRole] = []
+    roots: dict[KeyPath, dict[int, dict[TensorRole, int]]] = {}
+    for index, leaf in enumerate(leaves):
+        entry = _optimizer_entry(leaf.path)
+        if entry is None:
+            roles.append(TensorRole.OTHER)  # settled below, once every optimizer root is known
+            continue
+        root, identifier, name = entry
+        role = _role_of_entry(name, leaf.tensor)
+        roles.append(role)
+        per_id = roots.setdefault(root, {})
+        if role in _MOMENT_ROLES:
+            per_id.setdefault(identifier, {})[role] = index
+    for index, leaf in enumerate(leaves):
+        path = leaf.path
+        if _optimizer_entry(path) is not None or any(path[: len(root)] == root for root in roots):
+            continue
+        # state_dict keys are dotted module paths: "1.running_mean" is a BatchNorm buffer.
+        name = str(path[-1]).rsplit(".", 1)[-1] if path else ""
+        if leaf.tensor.dtype.is_floating_point and name not in MODULE_BUFFER_NAMES:
+            roles[index] = TensorRole.WEIGHT
+    weights = [index for index, role in enumerate(roles) if role is TensorRole.WEIGHT]
+
+    parameter_of: list[Optional[int]] = [None] * len(leaves)
+    by_weight: dict[int, dict[TensorRole, int]] = {}
+    by_entry = {index: group for per_id in roots.values() for group in per_id.values() for index in group.values()}
+    matches: dict[KeyPath, dict[int, int]] = {}
+    for root, per_id in roots.items():
+        matched = _match_in_order({i: e for i, e in per_id.items() if e}, leaves, weights)
+        if matched is not None:
+            matches[root] = matched
+    claims = Counter(weight for matched in matches.values() for weight in matched.values())
+    contested = {root for root, matched in matches.items() if any(claims[w] > 1 for w in matched.values())}
+    for root, matched in matches.items():
+        if root in contested:
+            continue
+        for identifier, weight in matched.items():
+            for role, index in roots[root][identifier].items():
+                parameter_of[index] = weight
+                by_weight.setdefault(weight, {})[role] = index
+    return StateLayout(tuple(roles), tuple(parameter_of), by_weight, by_entry)
