@@ -5,9 +5,10 @@ Two atomicity strategies, one per kind of storage:
 - :class:`LocalRunStorage` (a local directory): write to a temporary name, flush and
   fsync, rename into place, fsync the directory. A reader sees the whole file or none.
 - :class:`FsspecRunStorage` (``memory://``, ``s3://`` and other fsspec URLs): object stores
-  cannot rename, but an object becomes visible only when its upload completes, so the
-  file is written under its final name; the step manifest, written last, is the commit
-  marker (see :mod:`.commit`).
+  cannot rename. Small files (manifests) go up in one put, which is atomic. Data files
+  are streamed under their final name, which is new for every write and named by no
+  manifest until the write is complete: the step manifest, written last, is the commit
+  marker (see :mod:`.commit`). A failed stream is aborted and removed.
 
 Storage knows nothing of steps; it reads, writes, lists and removes named files in one
 flat folder.
@@ -68,10 +69,15 @@ class RunStorage(ABC):
 
     @abstractmethod
     def write_file(self, name: str, produce: Callable[[IO[bytes]], T]) -> T:
-        """Write ``name`` atomically with ``produce(handle)``; return what it returned.
+        """Write the new file ``name`` with ``produce(handle)``; return what it returned.
 
-        On any error nothing appears under ``name`` (an old file of that name stays intact).
+        On any error nothing is left under ``name``. Use a name that no reader looks
+        for yet: on object stores the bytes may be visible under it while it is written.
         """
+
+    @abstractmethod
+    def write_bytes(self, name: str, data: bytes) -> None:
+        """Create or replace ``name`` with ``data`` atomically: readers see old or new, whole."""
 
     @abstractmethod
     def remove(self, name: str) -> None:
@@ -80,9 +86,6 @@ class RunStorage(ABC):
     @abstractmethod
     def prepare(self) -> None:
         """Create the folder if needed (before the first write)."""
-
-    def write_bytes(self, name: str, data: bytes) -> None:
-        self.write_file(name, lambda handle: handle.write(data))
 
     def describe(self, name: str) -> str:
         return f"{self.location.rstrip('/')}/{name}"
@@ -126,6 +129,9 @@ class LocalRunStorage(RunStorage):
             raise
         self._sync_directory()
         return result
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        self.write_file(name, lambda handle: handle.write(data))
 
     def _sync_directory(self) -> None:
         # The rename is durable only once the directory entry is on disk.
@@ -182,8 +188,21 @@ class FsspecRunStorage(RunStorage):
         return self.fs.open(self._path(name), "rb")
 
     def write_file(self, name: str, produce: Callable[[IO[bytes]], T]) -> T:
-        with self.fs.open(self._path(name), "wb") as handle:
-            return produce(handle)
+        handle = self.fs.open(self._path(name), "wb")
+        try:
+            result = produce(handle)
+        except BaseException:
+            # Closing would complete the upload with partial content: abort instead.
+            discard = getattr(handle, "discard", None)
+            if callable(discard):
+                discard()
+            self.remove(name)
+            raise
+        handle.close()
+        return result
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        self.fs.pipe_file(self._path(name), data)
 
     def remove(self, name: str) -> None:
         try:

@@ -1,0 +1,81 @@
+"""Restoring a step reads its own chain and nothing else; damage is reported precisely."""
+
+from __future__ import annotations
+
+import pytest
+
+from inshrinkerator.errors import BrokenChainError, CorruptCheckpointError
+from inshrinkerator.store import CheckpointManager, describe_run
+from inshrinkerator.store.manifest import manifest_name
+
+from ..helpers import assert_same
+from .support import state_for
+
+
+@pytest.fixture
+def run_of_two_chains(tmp_path):
+    """Steps 0..5 with full_every=3: chains [0, 1, 2] and [3, 4, 5]."""
+    run = tmp_path / "run"
+    with CheckpointManager(run, full_every=3) as mgr:
+        for step in range(6):
+            mgr.save(step, state_for(step))
+    return run
+
+
+def test_loading_a_step_reads_only_its_chain(run_of_two_chains, monkeypatch) -> None:
+    run = run_of_two_chains
+    entries = {e.step: e for e in describe_run(str(run))}
+    opened: list[str] = []
+    import builtins
+
+    real_open = builtins.open
+
+    def spying_open(file, *args, **kwargs):
+        opened.append(str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", spying_open)
+    state = CheckpointManager(run).load(4)
+    monkeypatch.undo()
+    assert_same(state, state_for(4))
+    touched = {path.rsplit("/", 1)[-1] for path in opened if str(run) in path}
+    assert touched == {
+        manifest_name(3), manifest_name(4), entries[3].data_file, entries[4].data_file,
+    }
+
+
+def test_other_chains_can_vanish_without_harm(run_of_two_chains) -> None:
+    run = run_of_two_chains
+    for path in run.iterdir():
+        if path.name.startswith(("step-0000000000", "step-0000000001", "step-0000000002")):
+            path.unlink()
+    assert_same(CheckpointManager(run).load(5), state_for(5))
+
+
+def test_missing_base_data_is_a_broken_chain(run_of_two_chains) -> None:
+    run = run_of_two_chains
+    next(run.glob("step-0000000003-*.ink")).unlink()
+    with pytest.raises(BrokenChainError, match="step 5 is stored against it"):
+        CheckpointManager(run).load(5)
+    with pytest.raises(CorruptCheckpointError, match="step 3 is missing"):
+        CheckpointManager(run).load(3)
+
+
+def test_flipped_byte_in_a_base_is_caught(run_of_two_chains) -> None:
+    run = run_of_two_chains
+    path = next(run.glob("step-0000000004-*.ink"))
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0x40
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match="step-0000000004-.*damaged"):
+        CheckpointManager(run).load(5)
+    assert_same(CheckpointManager(run).load(3), state_for(3))
+
+
+def test_data_file_swapped_between_steps_is_caught(run_of_two_chains) -> None:
+    run = run_of_two_chains
+    one = next(run.glob("step-0000000001-*.ink"))
+    four = next(run.glob("step-0000000004-*.ink"))
+    one.write_bytes(four.read_bytes())
+    with pytest.raises(CorruptCheckpointError, match="does not match the manifest of step 1"):
+        CheckpointManager(run).load(1)
