@@ -16,6 +16,7 @@ from .errors import (
     InkError,
     UnsupportedStateError,
 )
+from .activations import compress_activations
 from .info import SaveInfo
 from .single_file import load, save
 from .store import CheckpointManager
@@ -26,6 +27,7 @@ __all__ = [
     "save",
     "load",
     "SaveInfo",
+    "compress_activations",
     "CheckpointManager",
     "policies",
     "InkError",

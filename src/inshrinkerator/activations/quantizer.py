@@ -1,0 +1,152 @@
+"""An error-bounded, sign-preserving uniform quantizer for activations, in torch ops.
+
+Every non-zero value ``x`` goes to the bin ``k = sign(x) * (floor(|x| / (2 eb)) + 1)`` and
+comes back as the bin's midpoint ``sign(k) * (|k| - 1/2) * 2 eb``, so
+
+- ``|x - x_hat| <= eb`` for every element (checked after encoding, in the output dtype);
+- zeros stay exactly zero and every sign survives, so a ReLU mask or a dropout mask read
+  back from the compressed tensor is exact;
+- inside a bin the error is spread evenly over ``[-eb, eb]`` with mean zero, which is the
+  model the adaptive bound (``adaptive.py``) relies on.
+
+The integer codes are bit-packed per group of 64 (``bitpack.py``); a tensor with many
+zeros (a ReLU output) is stored as a zero mask plus the packed non-zero codes. The same
+code runs on any device; nothing leaves the tensor's device.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .bitpack import PackedCodes, pack_codes, pack_mask, packed_size, unpack_codes, unpack_mask
+
+__all__ = ["QuantizedActivation", "quantize", "working_dtype"]
+
+_MAX_CODE = (1 << 31) - 1  # bins beyond this would not fit the 32-bit packing
+
+
+def working_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the arithmetic runs in: float64 stays, everything else computes in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _bound_in(dtype: torch.dtype, error_bound: float) -> float:
+    """The largest value of ``dtype`` that is <= ``error_bound`` (so a check in it is exact)."""
+    value = torch.tensor(error_bound, dtype=torch.float64).to(dtype)
+    if float(value) > error_bound:
+        value = torch.nextafter(value, torch.zeros_like(value))
+    return float(value)
+
+
+@dataclass
+class QuantizedActivation:
+    """A quantized activation: step, layout flags and the packed codes; decodes anywhere."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    step: float
+    signed: bool
+    sparse_mask: Optional[torch.Tensor]  # packed bits of (x != 0), when stored sparsely
+    codes: PackedCodes
+
+    @property
+    def nbytes(self) -> int:
+        mask = 0 if self.sparse_mask is None else self.sparse_mask.numel()
+        return mask + self.codes.nbytes + 32
+
+    def decode(self) -> torch.Tensor:
+        """The reconstruction, in the original dtype, shape and device."""
+        work = working_dtype(self.dtype)
+        numel = math.prod(self.shape)
+        unsigned = unpack_codes(self.codes)
+        if self.sparse_mask is not None:
+            nonzero = unpack_mask(self.sparse_mask, numel)
+            codes = torch.zeros(numel, dtype=torch.int64, device=unsigned.device)
+            codes[nonzero] = _from_nonzero_unsigned(unsigned, self.signed)
+        else:
+            codes = _from_unsigned(unsigned, self.signed)
+        return _reconstruct(codes, self.step, work).to(self.dtype).view(self.shape)
+
+
+def _reconstruct(codes: torch.Tensor, step: float, work: torch.dtype) -> torch.Tensor:
+    values = codes.to(work)
+    magnitude = (values.abs() - 0.5) * step
+    return magnitude.copysign_(values).masked_fill_(codes == 0, 0.0)
+
+
+def _zigzag(codes: torch.Tensor) -> torch.Tensor:
+    # 0, -1, 1, -2, 2 ... -> 0, 1, 2, 3, 4: small magnitudes stay small
+    return (codes << 1) ^ (codes >> (8 * codes.element_size() - 1))
+
+
+def _unzigzag(unsigned: torch.Tensor) -> torch.Tensor:
+    return (unsigned >> 1) ^ -(unsigned & 1)
+
+
+def _to_unsigned(codes: torch.Tensor, signed: bool) -> torch.Tensor:
+    return _zigzag(codes) if signed else codes
+
+
+def _from_unsigned(unsigned: torch.Tensor, signed: bool) -> torch.Tensor:
+    return _unzigzag(unsigned) if signed else unsigned
+
+
+def _to_nonzero_unsigned(codes: torch.Tensor, signed: bool) -> torch.Tensor:
+    # codes are never 0 here, so shift the zigzag order down by one: -1, 1, -2 ... -> 0, 1, 2 ...
+    return (_zigzag(codes) if signed else codes) - 1
+
+
+def _from_nonzero_unsigned(unsigned: torch.Tensor, signed: bool) -> torch.Tensor:
+    return _unzigzag(unsigned + 1) if signed else unsigned + 1
+
+
+_SPARSE_MIN_ZEROS = 0.1  # below this zero fraction a zero mask cannot pay for itself
+
+
+def quantize(tensor: torch.Tensor, error_bound: float) -> Optional[QuantizedActivation]:
+    """Quantize a floating tensor so that every element is within ``error_bound`` of the original.
+
+    The bins are narrowed by the worst rounding of the reconstruction (about ``peak * eps``),
+    so the bound holds for the decoded values in the tensor's own dtype; if that slack would
+    eat half the bound, the result is verified instead. Returns ``None`` when the bound
+    cannot be met (non-finite values, a bound below the dtype's resolution at the tensor's
+    magnitude, more bins than 32-bit codes hold): the caller keeps the tensor then.
+    """
+    if not tensor.is_floating_point() or not error_bound > 0 or not math.isfinite(error_bound):
+        return None
+    if tensor.numel() == 0:
+        return None
+    work = working_dtype(tensor.dtype)
+    flat = tensor.detach().reshape(-1).to(work)
+    low, high = torch.aminmax(flat)
+    low_value, high_value = float(low), float(high)
+    peak = max(abs(low_value), abs(high_value))
+    if not math.isfinite(peak):
+        return None
+    bound = _bound_in(work, error_bound)
+    slack = peak * (torch.finfo(tensor.dtype).eps + 2 * torch.finfo(work).eps)
+    step = 2.0 * (bound - slack) if slack < bound / 2 else bound
+    if peak / step >= _MAX_CODE - 2:
+        return None
+    code_dtype = torch.int32 if peak / step < (1 << 29) else torch.int64
+    codes = (flat.abs() / step).floor_().add_(1).copysign_(flat).masked_fill_(flat == 0, 0).to(code_dtype)
+    if slack >= bound / 2:
+        recon = _reconstruct(codes, step, work).to(tensor.dtype).to(work)
+        if bool(((flat - recon).abs() > bound).any()):
+            return None
+    signed = low_value < 0
+    zero_fraction = 1.0 - int(torch.count_nonzero(codes)) / codes.numel()
+    mask: Optional[torch.Tensor] = None
+    unsigned = _to_unsigned(codes, signed)
+    if zero_fraction >= _SPARSE_MIN_ZEROS:
+        nonzero = codes != 0
+        sparse = _to_nonzero_unsigned(codes[nonzero], signed)
+        if (codes.numel() + 7) // 8 + packed_size(sparse) < packed_size(unsigned):
+            mask, unsigned = pack_mask(nonzero), sparse
+    packed = pack_codes(unsigned)
+    return QuantizedActivation(tuple(tensor.shape), tensor.dtype, tensor.device, step, signed, mask, packed)
