@@ -20,12 +20,13 @@ class Lossless(Policy):
     """Byte grouping + zstd; XOR delta against a reference when one of the same kind exists.
 
     Args:
-        level: zstd level of the byte-grouping codec.
+        level: zstd level of the byte-grouping codec; ``None`` for its parameters tuned
+            for byte planes (the fastest and, on weights, the smallest).
         small_bytes: tensors smaller than this are stored raw (coding them costs more
             than it saves).
     """
 
-    level: int = 1
+    level: Optional[int] = None
     small_bytes: int = 256
     name: str = "lossless"
 
