@@ -131,18 +131,24 @@ class ContainerReader:
         where = where or f"tensor {record.spec.dtype} {list(record.spec.shape)}"
         try:
             codec = get_codec(record.codec)
-            streams = self.read_streams(record)
+        except InkError as exc:
+            raise type(exc)(f"{self.source}: {where}: {exc}") from None
+        streams = self.read_streams(record)  # I/O errors are not format errors: they propagate
+        try:
             tensor = codec.decode(streams, record.params, record.spec, reference)
         except InkError as exc:
             if str(exc).startswith(self.source):
                 raise
             raise type(exc)(f"{self.source}: {where}: {exc}") from None
-        except (ValueError, TypeError, KeyError, IndexError, RuntimeError, OverflowError, ArithmeticError) as exc:
-            # RuntimeError includes RecursionError and torch's own checks.
+        except MemoryError:
+            raise
+        except Exception as exc:
+            # The codec is the trust boundary: whatever damaged or forged bytes make it
+            # raise (struct.error, zstd, numpy, torch errors) is a property of the file.
             raise FormatError(
                 f"{self.source}: {where}: stored data does not decode ({type(exc).__name__}: "
-                f"{str(exc)[:120]})"
-            ) from None
+                f"{str(exc)[:160]})"
+            ) from exc
         if (
             not isinstance(tensor, torch.Tensor)
             or tensor.dtype != record.spec.dtype
