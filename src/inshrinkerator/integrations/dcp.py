@@ -1,0 +1,402 @@
+"""``torch.distributed.checkpoint`` (DCP): every rank compresses and writes its own shard.
+
+::
+
+    import torch.distributed.checkpoint as dcp
+    from inshrinkerator.integrations.dcp import (
+        InkLoadPlanner, InkSavePlanner, InkStorageReader, InkStorageWriter)
+
+    dcp.save(state, storage_writer=InkStorageWriter("ckpt/step-100"), planner=InkSavePlanner())
+    dcp.load(state, storage_reader=InkStorageReader("ckpt/step-100"), planner=InkLoadPlanner())
+    dcp.async_save(state, storage_writer=InkStorageWriter(...), planner=InkSavePlanner())
+
+Layout of a checkpoint folder: one ``__{rank}.ink`` per rank (that rank's tensor chunks,
+compressed by the policy, and its plain values), and ``.metadata.json``, written last by
+the coordinator as the commit marker. Nothing is pickled: DCP's own metadata and its
+non-tensor items are ``torch.save`` pickles, here the metadata is JSON and the planners
+carry non-tensor values as JSON too, so loading never unpickles. Chunks keep DCP's
+offsets, so a checkpoint loads onto a different sharding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import uuid
+from collections import defaultdict
+from typing import Any, Optional, Union
+
+import fsspec
+import torch
+from torch.distributed.checkpoint import (
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+    LoadPlan,
+    LoadPlanner,
+    Metadata,
+    SavePlan,
+    SavePlanner,
+    StorageReader,
+    StorageWriter,
+)
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, ReadItem, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+
+from ..codecs.base import dtype_from_name
+from ..errors import CheckpointNotFoundError, FormatError, UnsupportedStateError
+from ..policies import Policy, resolve_policy
+from ..serialize import read_state, write_state
+from ..single_file import open_container
+from ..tree import flatten, unflatten
+from ._keyframes import default_policy_name
+
+__all__ = ["InkStorageWriter", "InkStorageReader", "InkSavePlanner", "InkLoadPlanner", "METADATA_FILE"]
+
+#: The commit marker: a checkpoint folder without it was never finished.
+METADATA_FILE = ".metadata.json"
+_FORMAT = "inshrinkerator-dcp"
+_VERSION = 1
+_MAX_METADATA_BYTES = 256 << 20
+
+
+# -- planners: non-tensor values as JSON instead of torch.save pickles ----------------------
+
+
+def _value_to_json(value: Any, fqn: str) -> io.BytesIO:
+    flat = flatten(value)
+    if flat.tensors:
+        raise UnsupportedStateError(
+            f"DCP item {fqn} mixes tensors into a plain value; put tensors directly in the state dict"
+        )
+    return io.BytesIO(json.dumps(flat.skeleton, separators=(",", ":")).encode("utf-8"))
+
+
+def _value_from_json(data: bytes, where: str) -> Any:
+    try:
+        skeleton = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as error:
+        raise FormatError(f"{where}: bad plain value ({error})") from None
+    return unflatten(skeleton, [])
+
+
+class InkSavePlanner(DefaultSavePlanner):
+    """``DefaultSavePlanner`` that serializes non-tensor values as JSON (never pickle)."""
+
+    def transform_object(self, write_item: WriteItem, object: Any) -> Any:  # noqa: A002
+        if write_item.type == WriteItemType.BYTE_IO:
+            return _value_to_json(object, write_item.index.fqn)
+        return object
+
+
+class InkLoadPlanner(DefaultLoadPlanner):
+    """``DefaultLoadPlanner`` that reads non-tensor values back from JSON (never unpickles)."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        from torch.distributed.checkpoint._traverse import set_element
+
+        fqn = read_item.dest_index.fqn
+        decoded = _value_from_json(value.getvalue(), f"item {fqn}")
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], decoded)
+        else:
+            self.state_dict[fqn] = decoded
+
+
+# -- metadata as JSON -----------------------------------------------------------------------
+
+
+def _index_key(index: MetadataIndex) -> str:
+    offset = "" if index.offset is None else ",".join(str(int(o)) for o in index.offset)
+    return f"{index.fqn}@{offset}"
+
+
+def _metadata_to_json(metadata: Metadata, storage: dict[str, dict[str, str]]) -> bytes:
+    items: dict[str, Any] = {}
+    for fqn, entry in metadata.state_dict_metadata.items():
+        if isinstance(entry, BytesStorageMetadata):
+            items[fqn] = {"kind": "bytes"}
+        else:
+            items[fqn] = {
+                "kind": "tensor",
+                "dtype": str(entry.properties.dtype).removeprefix("torch."),
+                "requires_grad": bool(entry.properties.requires_grad),
+                "size": [int(s) for s in entry.size],
+                "chunks": [
+                    {"offsets": [int(o) for o in c.offsets], "sizes": [int(s) for s in c.sizes]}
+                    for c in entry.chunks
+                ],
+            }
+    mappings = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    document = {
+        "format": _FORMAT,
+        "version": _VERSION,
+        "items": items,
+        "planner_data": {fqn: list(path) for fqn, path in mappings.items()},
+        "storage": storage,
+    }
+    return json.dumps(document, separators=(",", ":")).encode("utf-8")
+
+
+def _int_list(value: Any, where: str) -> list[int]:
+    if not isinstance(value, list) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+    ):
+        raise FormatError(f"{where}: expected a list of non-negative ints, got {str(value)[:80]}")
+    return value
+
+
+def _metadata_from_json(data: bytes, source: str) -> tuple[Metadata, dict[str, dict[str, str]]]:
+    try:
+        document = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as error:
+        raise FormatError(f"{source}: not a JSON metadata file ({error})") from None
+    if not isinstance(document, dict) or document.get("format") != _FORMAT:
+        raise FormatError(f"{source}: not an inshrinkerator DCP checkpoint")
+    if document.get("version") != _VERSION:
+        raise FormatError(f"{source}: DCP layout version {document.get('version')!r} is not supported")
+    items, mappings, storage = document.get("items"), document.get("planner_data"), document.get("storage")
+    if not isinstance(items, dict) or not isinstance(mappings, dict) or not isinstance(storage, dict):
+        raise FormatError(f"{source}: metadata lacks items, planner_data or storage")
+    state_dict_metadata: dict[str, Any] = {}
+    for fqn, entry in items.items():
+        where = f"{source}: item {fqn}"
+        kind = entry.get("kind") if isinstance(entry, dict) else None
+        if kind == "bytes":
+            state_dict_metadata[fqn] = BytesStorageMetadata()
+            continue
+        if kind != "tensor" or not isinstance(entry.get("chunks"), list):
+            raise FormatError(f"{where}: bad entry")
+        try:
+            dtype = dtype_from_name(entry["dtype"])
+        except (KeyError, ValueError, TypeError):
+            raise FormatError(f"{where}: unknown dtype {entry.get('dtype')!r}") from None
+        chunks = []
+        for chunk in entry["chunks"]:
+            if not isinstance(chunk, dict):
+                raise FormatError(f"{where}: bad chunk")
+            chunks.append(ChunkStorageMetadata(
+                offsets=torch.Size(_int_list(chunk.get("offsets"), where)),
+                sizes=torch.Size(_int_list(chunk.get("sizes"), where)),
+            ))
+        state_dict_metadata[fqn] = TensorStorageMetadata(
+            properties=TensorProperties(dtype=dtype, requires_grad=bool(entry.get("requires_grad"))),
+            size=torch.Size(_int_list(entry.get("size"), where)),
+            chunks=chunks,
+        )
+    planner_data = {}
+    for fqn, path in mappings.items():
+        if not isinstance(path, list) or not all(
+            isinstance(p, (str, int)) and not isinstance(p, bool) for p in path
+        ):
+            raise FormatError(f"{source}: bad planner path for {fqn}")
+        planner_data[fqn] = tuple(path)
+    for key, place in storage.items():
+        if not (isinstance(place, dict) and isinstance(place.get("file"), str)
+                and isinstance(place.get("key"), str) and _is_shard_name(place["file"])):
+            raise FormatError(f"{source}: bad storage entry for {key}")
+    return Metadata(state_dict_metadata=state_dict_metadata, planner_data=planner_data), storage
+
+
+def _is_shard_name(name: str) -> bool:
+    return name.startswith("__") and name.endswith(".ink") and "/" not in name and "\\" not in name
+
+
+def _completed(value: Any) -> torch.futures.Future:
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_result(value)
+    return future
+
+
+# -- storage --------------------------------------------------------------------------------
+
+
+class InkStorageWriter(StorageWriter):
+    """Writes each rank's chunks into one compressed ``__{rank}.ink`` file.
+
+    Args:
+        path: the checkpoint folder (local path or fsspec URL); ``dcp.save(checkpoint_id=...)``
+            may set it instead.
+        policy: a policy name or object (default: the manager's default policy).
+
+    After a save, :attr:`last_shard` holds this rank's file name and :attr:`last_info`
+    its sizes (``raw_bytes``, ``stored_bytes``).
+    """
+
+    def __init__(self, path: Union[str, "os.PathLike[str]", None] = None,
+                 policy: Union[str, Policy, None] = None) -> None:
+        super().__init__()
+        self.path = os.fspath(path) if path is not None else None
+        self.policy = resolve_policy(policy if policy is not None else default_policy_name())
+        self.last_shard: Optional[str] = None
+        self.last_info: dict[str, int] = {}
+        self._is_coordinator = False
+
+    def reset(self, checkpoint_id: Union[str, "os.PathLike[str]", None] = None) -> None:
+        if checkpoint_id is not None:
+            self.path = os.fspath(checkpoint_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if self.path is None:
+            raise ValueError("InkStorageWriter needs a path (or dcp.save(checkpoint_id=...))")
+        self._is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return [dataclasses.replace(plan, storage_data=f"__{rank}.ink") for rank, plan in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future:
+        name = plan.storage_data
+        if not isinstance(name, str) or not _is_shard_name(name):
+            raise ValueError("InkStorageWriter.write_data got a plan it did not prepare")
+        if any(item.type == WriteItemType.BYTE_IO for item in plan.items) and not isinstance(
+            planner, InkSavePlanner
+        ):
+            raise TypeError(
+                "InkStorageWriter needs planner=InkSavePlanner(): DCP's default planner pickles "
+                "non-tensor values, which this checkpoint format refuses"
+            )
+        shard: dict[str, Any] = {}
+        results = []
+        for item in plan.items:
+            key = _index_key(item.index)
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                shard[key] = data.getvalue()
+                size = len(shard[key])
+            else:
+                tensor = data.detach()
+                shard[key] = tensor
+                size = tensor.numel() * tensor.element_size()
+            results.append(WriteResult(index=item.index, size_in_bytes=size,
+                                       storage_data={"file": name, "key": key}))
+        fs, root = fsspec.core.url_to_fs(self.path)
+        fs.makedirs(root, exist_ok=True)
+        final = f"{root}/{name}"
+        temporary = f"{root}/.{name}.{uuid.uuid4().hex[:8]}.tmp"
+        try:
+            with fs.open(temporary, "wb") as out:
+                written = write_state(out, shard, self.policy, meta={"dcp_shard": name})
+            fs.mv(temporary, final)
+        except BaseException:
+            if fs.exists(temporary):
+                fs.rm(temporary)
+            raise
+        self.last_shard = name
+        self.last_info = {"raw_bytes": written.raw_bytes, "stored_bytes": written.stored_bytes}
+        return _completed(results)
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        storage = {_index_key(r.index): r.storage_data for rank in results for r in rank}
+        fs, root = fsspec.core.url_to_fs(self.path)
+        temporary = f"{root}/.{METADATA_FILE}.{uuid.uuid4().hex[:8]}.tmp"
+        with fs.open(temporary, "wb") as out:
+            out.write(_metadata_to_json(metadata, storage))
+        fs.mv(temporary, f"{root}/{METADATA_FILE}")
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Union[str, "os.PathLike[str]"]) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
+
+
+class InkStorageReader(StorageReader):
+    """Reads a checkpoint written by :class:`InkStorageWriter`; never unpickles.
+
+    After a load, :attr:`shards_read` lists the ``__{rank}.ink`` files this rank decoded.
+    """
+
+    def __init__(self, path: Union[str, "os.PathLike[str]", None] = None) -> None:
+        super().__init__()
+        self.path = os.fspath(path) if path is not None else None
+        self.shards_read: list[str] = []
+        self._storage: dict[str, dict[str, str]] = {}
+
+    def reset(self, checkpoint_id: Union[str, "os.PathLike[str]", None] = None) -> None:
+        if checkpoint_id is not None:
+            self.path = os.fspath(checkpoint_id)
+        self.shards_read = []
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """The checkpoint's metadata, parsed from JSON.
+
+        Raises:
+            CheckpointNotFoundError: no committed checkpoint at the path.
+            FormatError: the metadata is not valid.
+        """
+        if self.path is None:
+            raise ValueError("InkStorageReader needs a path (or dcp.load(checkpoint_id=...))")
+        fs, root = fsspec.core.url_to_fs(self.path)
+        source = f"{self.path}/{METADATA_FILE}"
+        try:
+            with fs.open(f"{root}/{METADATA_FILE}", "rb") as handle:
+                data = handle.read(_MAX_METADATA_BYTES + 1)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(
+                f"{source}: no such file; the folder holds no finished inshrinkerator DCP checkpoint"
+            ) from None
+        if len(data) > _MAX_METADATA_BYTES:
+            raise FormatError(f"{source}: metadata larger than {_MAX_METADATA_BYTES} bytes")
+        metadata, self._storage = _metadata_from_json(data, source)
+        return metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if not self._storage:
+            self.read_metadata()
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
+        by_file: dict[str, list[tuple[ReadItem, str]]] = defaultdict(list)
+        for item in plan.items:
+            place = self._storage.get(_index_key(item.storage_index))
+            if place is None:
+                raise FormatError(f"{self.path}: no stored data for {_index_key(item.storage_index)}")
+            by_file[place["file"]].append((item, place["key"]))
+        for name, items in by_file.items():
+            with open_container(f"{self.path}/{name}") as reader:
+                shard = read_state(reader)
+            if not isinstance(shard, dict):
+                raise FormatError(f"{self.path}/{name}: not a DCP shard")
+            self.shards_read.append(name)
+            for item, key in items:
+                value = shard.get(key)
+                where = f"{self.path}/{name}: {key}"
+                if item.type == LoadItemType.BYTE_IO:
+                    if not isinstance(value, bytes):
+                        raise FormatError(f"{where}: expected a plain value")
+                    if not isinstance(planner, InkLoadPlanner):
+                        raise TypeError(
+                            "InkStorageReader needs planner=InkLoadPlanner() for non-tensor values "
+                            "(DCP's default planner would unpickle them)"
+                        )
+                    planner.load_bytes(item, io.BytesIO(value))
+                    continue
+                if not isinstance(value, torch.Tensor):
+                    raise FormatError(f"{where}: expected a tensor")
+                source = value
+                for dim, (offset, length) in enumerate(zip(item.storage_offsets, item.lengths)):
+                    source = source.narrow(dim, offset, length)
+                target = planner.resolve_tensor(item).detach()
+                if target.shape != source.shape:
+                    raise FormatError(f"{where}: stored chunk {list(source.shape)} does not fit {list(target.shape)}")
+                target.copy_(source)
+                planner.commit_tensor(item, target)
+        return _completed(None)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Union[str, "os.PathLike[str]"]) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
