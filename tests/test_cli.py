@@ -87,6 +87,7 @@ def test_verify_detects_a_damaged_file(capsys, tmp_path: Path, weights: Path) ->
     assert code == 1 and not report["ok"] and "checksum" in report["problems"][0]
 
 
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
 def test_pickle_payload_is_refused_and_never_run(capsys, tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
 
