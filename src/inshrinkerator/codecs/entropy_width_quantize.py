@@ -70,7 +70,7 @@ def entropy_bin_count(values: torch.Tensor, min_bins: int, max_bins: int) -> int
         return min_bins
     index = ((flat - low) / (high - low) * max_bins).floor().clamp(0, max_bins - 1).to(torch.int64)
     counts = torch.bincount(index, minlength=max_bins).to(torch.float64)
-    probabilities = counts[counts > 0] / flat.numel()
+    probabilities = torch.masked_select(counts, counts > 0) / flat.numel()
     entropy = float(-(probabilities * probabilities.log2()).sum())
     bits = max(1, math.ceil(entropy - 1e-9))
     return int(min(max(1 << min(bits, 30), min_bins), max_bins))

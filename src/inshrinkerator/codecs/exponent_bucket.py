@@ -84,7 +84,7 @@ class ExponentBucketCodec(Codec):
     def encode(self, tensor: torch.Tensor, reference: Optional[torch.Tensor] = None) -> Encoded:
         flat = checked_float_input(tensor, self.codec_id)
         nonzero = flat != 0
-        values = flat[nonzero]
+        values = torch.masked_select(flat, nonzero)
         _, exponent = torch.frexp(values)
         key = exponent.to(torch.int64) * 2 + (values < 0).to(torch.int64)
         keys, bucket = torch.unique(key, return_inverse=True)
@@ -93,11 +93,11 @@ class ExponentBucketCodec(Codec):
         order = torch.sort(reps.abs(), descending=True, stable=True).indices
         kept = order[: (1 << self.bits) - 1]
         rank_of_bucket = torch.zeros(keys.numel(), dtype=torch.int64, device=flat.device)
-        rank_of_bucket[kept] = torch.arange(1, kept.numel() + 1, device=flat.device)
+        rank_of_bucket.index_copy_(0, kept, torch.arange(1, kept.numel() + 1, device=flat.device))
         codes = torch.zeros(flat.numel(), dtype=torch.int64, device=flat.device)
-        codes[nonzero] = rank_of_bucket[bucket]
-        table = reps[kept]
-        rebuilt = torch.cat([table.new_zeros(1), table])[codes]
+        codes.masked_scatter_(nonzero, rank_of_bucket.index_select(0, bucket))
+        table = reps.index_select(0, kept)
+        rebuilt = torch.cat([table.new_zeros(1), table]).index_select(0, codes)
         return Encoded(
             streams=[tensor_bytes(table), encode_symbols(codes, kept.numel() + 1)],
             params={"buckets": int(kept.numel())},
@@ -121,5 +121,5 @@ class ExponentBucketCodec(Codec):
         codes = decode_symbols(streams[1], spec.numel)
         if codes.numel() and int(codes.max()) > buckets:
             raise CorruptCheckpointError("exponent_bucket: a code points past the bucket table")
-        rebuilt = torch.cat([table.new_zeros(1), table])[codes]
+        rebuilt = torch.cat([table.new_zeros(1), table]).index_select(0, codes)
         return rebuilt.reshape(spec.shape).to(spec.dtype)

@@ -50,6 +50,8 @@ from .registry import register_codec
 
 __all__ = ["KMeansQuantizeCodec", "kmeans_1d"]
 
+# Lookups use index_select / masked_select / masked_scatter_: advanced indexing (x[mask])
+# costs tens of milliseconds per call on a busy multi-threaded CPU.
 _FP16_SMALLEST = 2.0**-24
 _LZMA_MIN_DICTIONARY = 1 << 12
 _LZMA_MAX_DICTIONARY = 1 << 26  # preset 9's dictionary
@@ -64,14 +66,14 @@ def kmeans_1d(values: torch.Tensor, clusters: int, iterations: int) -> torch.Ten
     count = ordered.numel()
     prefix = torch.cat([ordered.new_zeros(1), ordered.cumsum(0)])
     positions = ((torch.arange(clusters, dtype=torch.float64) + 0.5) * count / clusters).long()
-    centres = torch.unique(ordered[positions.clamp(max=count - 1).to(ordered.device)])
+    centres = torch.unique(ordered.index_select(0, positions.clamp(max=count - 1).to(ordered.device)))
     for _ in range(iterations):
         bounds = (centres[:-1] + centres[1:]) / 2
         cuts = torch.searchsorted(ordered, bounds)
         starts = torch.cat([cuts.new_zeros(1), cuts])
         ends = torch.cat([cuts, cuts.new_full((1,), count)])
         members = (ends - starts).to(torch.float64)
-        sums = prefix[ends] - prefix[starts]
+        sums = prefix.index_select(0, ends) - prefix.index_select(0, starts)
         moved = torch.where(members > 0, sums / members.clamp(min=1), centres).sort().values
         if torch.equal(moved, centres):
             break
@@ -157,7 +159,7 @@ class KMeansQuantizeCodec(Codec):
                     f"tensor of shape {list(tensor.shape)}"
                 )
             kept &= self._keep.reshape(-1).to(flat.device)
-        values = flat[kept]
+        values = torch.masked_select(flat, kept)
         distinct = torch.unique(values)
         centres = (1 << self.bits) - 1
         if distinct.numel() <= centres:
@@ -167,8 +169,8 @@ class KMeansQuantizeCodec(Codec):
             table = _codebook_values(stored, exponent, compute)
         codes = torch.zeros(flat.numel(), dtype=torch.int64, device=flat.device)
         if table.numel():
-            codes[kept] = _nearest(values, table) + 1
-        rebuilt = torch.cat([table.new_zeros(1), table])[codes]
+            codes.masked_scatter_(kept, _nearest(values, table) + 1)
+        rebuilt = torch.cat([table.new_zeros(1), table]).index_select(0, codes)
         return Encoded(
             streams=[tensor_bytes(stored), self._lzma(pack_codes(codes, self.bits))],
             params={
@@ -203,7 +205,8 @@ class KMeansQuantizeCodec(Codec):
         expected = packed_size(spec.numel, self.bits)
         decompressor = lzma.LZMADecompressor(format=lzma.FORMAT_XZ)
         try:
-            packed = decompressor.decompress(bytes(memoryview(streams[1]).cast("B")), max_length=expected)
+            # One byte more than expected, so an over-long stream is noticed without inflating it all.
+            packed = decompressor.decompress(bytes(memoryview(streams[1]).cast("B")), max_length=expected + 1)
         except lzma.LZMAError as exc:
             raise CorruptCheckpointError(f"kmeans_quantize: the LZMA stream does not decode ({exc})") from None
         if len(packed) != expected or not decompressor.eof:
@@ -213,5 +216,5 @@ class KMeansQuantizeCodec(Codec):
         codes = unpack_codes(packed, self.bits, spec.numel)
         if codes.numel() and int(codes.max()) > centres:
             raise CorruptCheckpointError("kmeans_quantize: a code points past the codebook")
-        rebuilt = torch.cat([table.new_zeros(1), table])[codes]
+        rebuilt = torch.cat([table.new_zeros(1), table]).index_select(0, codes)
         return rebuilt.reshape(spec.shape).to(spec.dtype)

@@ -1,0 +1,129 @@
+"""Shared checks of the lossy baseline codecs: closed-loop chains, golden files, damaged streams."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+import torch
+
+from inshrinkerator.codecs import Codec, TensorSpec, dtype_from_name, get_codec
+from inshrinkerator.errors import BrokenChainError, FormatError
+
+from ..helpers import check_codec_roundtrip
+
+GOLDEN = Path(__file__).resolve().parent.parent / "golden" / "codecs"
+
+
+def encode_decode(codec: Codec, tensor: torch.Tensor, reference: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Round trip through JSON config/params; the decoded tensor must equal the encoder's reconstruction."""
+    encoded = codec.encode(tensor, reference)
+    decoded = check_codec_roundtrip(codec, tensor, reference)
+    assert encoded.reconstruction is not None
+    assert decoded.dtype == tensor.dtype and decoded.shape == tensor.shape
+    assert same_bits(decoded, encoded.reconstruction)
+    return decoded
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal dtype, shape and bytes (NaN-safe, -0.0 distinct from 0.0)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def random_walk(steps: int, shape: tuple[int, ...] = (64, 96), seed: int = 0) -> list[torch.Tensor]:
+    """Weights-like states: a start, then small updates with a steady drift (as training makes)."""
+    generator = torch.Generator().manual_seed(seed)
+    state = torch.randn(shape, generator=generator) * 0.05
+    drift = torch.randn(shape, generator=generator) * 2e-4
+    states = [state]
+    for _ in range(steps):
+        state = state + drift + torch.randn(shape, generator=generator) * 1e-3
+        states.append(state)
+    return states
+
+
+def chain_errors(codec: Codec, states: list[torch.Tensor], closed_loop: bool = True) -> list[float]:
+    """Max abs error of each state after coding the chain ``states[1:]`` against the previous one.
+
+    Closed loop: against the previous *reconstruction*; open loop: against the previous true state
+    (the reconstruction is then the previous reconstruction plus the decoded delta).
+    """
+    reconstruction = states[0]
+    errors = []
+    for previous, state in zip(states, states[1:]):
+        if closed_loop:
+            reconstruction = codec.encode(state, reconstruction).reconstruction
+        else:
+            step = codec.encode(state, previous).reconstruction - previous
+            reconstruction = reconstruction + step
+        errors.append(float((state - reconstruction).abs().max()))
+    return errors
+
+
+def one_step_errors(codec: Codec, states: list[torch.Tensor]) -> list[float]:
+    """Max abs error of coding each state against the exact previous one (one step, no chain)."""
+    return [
+        float((state - codec.encode(state, previous).reconstruction).abs().max())
+        for previous, state in zip(states, states[1:])
+    ]
+
+
+def _read_tensor(path: Path, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    data = bytearray(path.read_bytes())
+    flat = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    return flat.view(dtype).reshape(shape)
+
+
+def golden_cases(codec_id: str) -> list[Path]:
+    """The golden case folders of a codec (written by write_baseline_goldens.py)."""
+    return sorted(p.parent for p in (GOLDEN / codec_id).glob("*/case.json"))
+
+
+def check_golden(case: Path) -> None:
+    """Stored streams decode to the stored output bit for bit, and encoding the stored input
+    reproduces that output (the encoder is deterministic)."""
+    meta = json.loads((case / "case.json").read_text())
+    codec = get_codec(meta["config"])
+    dtype, shape = dtype_from_name(meta["dtype"]), meta["shape"]
+    streams = [(case / name).read_bytes() for name in meta["streams"]]
+    reference = _read_tensor(case / "reference.bin", dtype, shape) if meta["has_reference"] else None
+    expected = _read_tensor(case / "expected.bin", dtype, shape)
+    decoded = codec.decode(streams, meta["params"], TensorSpec(dtype, tuple(shape)), reference)
+    assert same_bits(decoded, expected), f"{case.name}: decode changed"
+    tensor = _read_tensor(case / "input.bin", dtype, shape)
+    again = codec.encode(tensor, reference)
+    assert same_bits(again.reconstruction, expected), f"{case.name}: encode changed"
+
+
+def check_damaged_streams(
+    codec: Codec, tensor: torch.Tensor, reference: Optional[torch.Tensor] = None,
+    mutate_params: Optional[Callable[[dict[str, Any]], None]] = None,
+) -> None:
+    """Truncated, missing or extra streams, a non-float spec and bad params raise errors of the
+    library's types (never a crash or garbage)."""
+    encoded = codec.encode(tensor, reference)
+    spec = TensorSpec.of(tensor)
+    streams = [bytes(memoryview(s).cast("B")) for s in encoded.streams]
+    params = json.loads(json.dumps(encoded.params))
+    with pytest.raises(FormatError):
+        codec.decode(streams[:-1], params, spec, reference)
+    with pytest.raises(FormatError):
+        codec.decode([*streams, b"x"], params, spec, reference)
+    for index, stream in enumerate(streams):
+        # One byte short. (An ANS payload cut by whole words decodes to other symbols without
+        # noticing; the container's per-section CRC-32 is what catches such damage in files.)
+        if stream:
+            with pytest.raises(FormatError):
+                codec.decode([*streams[:index], stream[:-1], *streams[index + 1 :]], params, spec, reference)
+    with pytest.raises((FormatError, BrokenChainError)):
+        codec.decode(streams, params, TensorSpec(torch.int32, spec.shape), reference)
+    if mutate_params is not None:
+        broken = json.loads(json.dumps(params))
+        mutate_params(broken)
+        with pytest.raises(FormatError):
+            codec.decode(streams, broken, spec, reference)
