@@ -63,12 +63,13 @@ class _LayerStatistics:
 
     grad_square: float = math.nan  # mean of dW^2
     row_norm_square: float = math.nan  # mean over rows of sum_m G_cm^2 (/ sigma_m^2 for norms)
-    zero_fraction: float = 0.0
+    zero_fraction: float = math.nan
 
     def bound(self, noise: float) -> float:
         if not (self.grad_square > 0 and self.row_norm_square > 0):
             return math.nan
-        density = max(1.0 - self.zero_fraction, 1e-3)
+        zeros = 0.0 if math.isnan(self.zero_fraction) else self.zero_fraction
+        density = max(1.0 - zeros, 1e-3)
         return math.sqrt(3.0) * noise * math.sqrt(self.grad_square / self.row_norm_square / density)
 
 

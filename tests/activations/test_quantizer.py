@@ -1,0 +1,62 @@
+import math
+
+import torch
+from hypothesis import given, settings, strategies as st
+
+from inshrinkerator.activations.quantizer import quantize
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    dtype=st.sampled_from(DTYPES),
+    scale=st.floats(1e-3, 1e3),
+    relative=st.floats(1e-4, 0.3),
+    relu=st.booleans(),
+    size=st.integers(1, 3000),
+)
+def test_bound_is_guaranteed_and_signs_survive(seed, dtype, scale, relative, relu, size) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(size, generator=generator, dtype=torch.float64) * scale
+    x[torch.rand(size, generator=generator) < 0.05] = 0.0
+    if relu:
+        x = x.clamp_min(0)
+    x = x.to(dtype)
+    value_range = float(x.max() - x.min()) or 1.0
+    bound = relative * value_range
+    packed = quantize(x, bound)
+    if packed is None:  # only allowed when the dtype cannot resolve the bound
+        assert dtype in (torch.float16, torch.bfloat16)
+        assert bound < float(x.abs().max()) * torch.finfo(dtype).eps * 4
+        return
+    y = packed.decode()
+    assert y.dtype == x.dtype and y.shape == x.shape
+    assert float((x.double() - y.double()).abs().max()) <= bound
+    assert torch.equal(torch.sign(x), torch.sign(y))
+
+
+def test_shapes_and_sparse_layout() -> None:
+    x = torch.relu(torch.randn(32, 16, 8, 8))
+    packed = quantize(x, 0.05)
+    assert packed.sparse_mask is not None  # half zeros: mask + non-zero codes is smaller
+    assert packed.decode().shape == x.shape
+    assert packed.nbytes * 4 < x.numel() * 4
+
+
+def test_error_is_centred_and_uniform() -> None:
+    x = torch.randn(200_000, dtype=torch.float64)
+    bound = 0.05
+    error = quantize(x, bound).decode() - x
+    assert abs(float(error.mean())) < 3 * bound / math.sqrt(3 * x.numel()) * 3
+    assert math.isclose(float(error.std()), bound / math.sqrt(3), rel_tol=0.02)
+
+
+def test_non_finite_or_bad_bound_is_refused() -> None:
+    x = torch.randn(100)
+    assert quantize(torch.cat([x, torch.tensor([math.nan])]), 0.1) is None
+    assert quantize(torch.cat([x, torch.tensor([math.inf])]), 0.1) is None
+    assert quantize(x, 0.0) is None
+    assert quantize(x, math.nan) is None
+    assert quantize(torch.arange(10), 0.1) is None  # integers are not quantized
