@@ -177,7 +177,8 @@ def expansion_limit(codec_config: dict[str, Any]) -> int:
 def check_expansion(spec: TensorSpec, stored_bytes: int, codec_config: dict[str, Any]) -> Optional[str]:
     """``None`` if ``spec`` may come from ``stored_bytes`` with this codec, else why not."""
     limit = expansion_limit(codec_config)
-    if spec.nbytes <= limit * stored_bytes + EXPANSION_ALLOWANCE:
+    # a record stores at least its params in the header: count one byte for them
+    if spec.nbytes <= limit * max(stored_bytes, 1) + EXPANSION_ALLOWANCE:
         return None
     return (
         f"{spec.nbytes} bytes of {str(spec.dtype).removeprefix('torch.')} {list(spec.shape)} from "
