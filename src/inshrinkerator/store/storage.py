@@ -196,6 +196,10 @@ class FsspecRunStorage(RunStorage):
             discard = getattr(handle, "discard", None)
             if callable(discard):
                 discard()
+            try:
+                handle.closed = True  # discarded: closing (even by the finalizer) must not upload
+            except AttributeError:
+                pass
             self.remove(name)
             raise
         handle.close()

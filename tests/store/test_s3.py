@@ -1,0 +1,111 @@
+"""A run on ``s3://`` through s3fs, against a real S3-compatible server (moto) on loopback."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import socket
+
+import pytest
+
+moto_server = pytest.importorskip("moto.server", reason="moto[server] is not installed")
+s3fs = pytest.importorskip("s3fs", reason="s3fs is not installed")
+
+from inshrinkerator.store import CheckpointManager, describe_run, is_run, verify_run  # noqa: E402
+from inshrinkerator.store.manifest import data_name  # noqa: E402
+from inshrinkerator.store.storage import FsspecRunStorage, open_storage  # noqa: E402
+
+from ..helpers import assert_same  # noqa: E402
+from .support import state_for  # noqa: E402
+
+BUCKET = "ink-runs"
+_runs = itertools.count()
+
+
+def _free_loopback_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def s3_bucket():
+    """A moto S3 server on 127.0.0.1 with one bucket; dummy credentials, endpoint via env."""
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    port = _free_loopback_port()
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        with pytest.MonkeyPatch.context() as env:
+            for key, value in {
+                "AWS_ACCESS_KEY_ID": "testing",
+                "AWS_SECRET_ACCESS_KEY": "testing",
+                "AWS_SESSION_TOKEN": "testing",
+                "AWS_DEFAULT_REGION": "us-east-1",
+                "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+                "NO_PROXY": "127.0.0.1,localhost",
+            }.items():
+                env.setenv(key, value)
+            env.delenv("AWS_PROFILE", raising=False)
+            s3fs.S3FileSystem.clear_instance_cache()
+            s3fs.S3FileSystem().mkdir(BUCKET)
+            yield f"s3://{BUCKET}"
+            s3fs.S3FileSystem.clear_instance_cache()
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_run(s3_bucket: str) -> str:
+    return f"{s3_bucket}/run-{next(_runs)}"
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_save_load_retention_reopen_on_s3(s3_run: str, async_save: bool) -> None:
+    assert not is_run(s3_run)
+    assert isinstance(open_storage(s3_run), FsspecRunStorage)
+    with CheckpointManager(s3_run, full_every=3, keep_last=3, async_save=async_save) as mgr:
+        for step in range(6):
+            mgr.save(step, state_for(step))
+        assert mgr.steps() == [3, 4, 5]
+        for step in (3, 4, 5):
+            assert_same(mgr.load(step), state_for(step))
+    s3fs.S3FileSystem.clear_instance_cache()  # a new process would start with nothing cached
+    assert is_run(s3_run)
+    with CheckpointManager(s3_run, full_every=3, keep_last=3, async_save=async_save) as reopened:
+        assert reopened.latest_step() == 5
+        reopened.save(6, state_for(6))
+        reopened.save(7, state_for(7))
+        assert reopened.steps() == [5, 6, 7]
+        for step in (5, 6, 7):
+            assert_same(reopened.load(step), state_for(step))
+    entries = describe_run(s3_run)
+    assert [e.step for e in entries] == [5, 6, 7] and entries[0].kind == "full"
+    assert all(e.base_step in (None, e.step - 1) for e in entries)
+    assert verify_run(s3_run) == []
+
+
+def test_uncommitted_objects_are_invisible_and_cleaned_by_the_next_writer(s3_run: str) -> None:
+    with CheckpointManager(s3_run) as mgr:
+        mgr.save(1, state_for(1))
+    storage = open_storage(s3_run)
+    orphan = data_name(2, "deadbeef")
+    storage.write_bytes(orphan, b"an upload whose manifest never came")
+    assert CheckpointManager(s3_run).steps() == [1]
+    assert orphan in storage.list_names()
+    with CheckpointManager(s3_run) as writer:
+        writer.save(2, state_for(2))
+    assert orphan not in storage.list_names()
+    assert verify_run(s3_run) == []
+
+
+def test_a_failed_upload_leaves_no_object(s3_run: str) -> None:
+    storage = open_storage(s3_run)
+
+    def fails_after_writing(handle):
+        handle.write(b"x" * (6 << 20))  # past s3fs's 5 MiB block: a multipart upload has begun
+        raise OSError("connection lost")
+
+    with pytest.raises(OSError, match="connection lost"):
+        storage.write_file(data_name(9, "0123abcd"), fails_after_writing)
+    assert storage.list_names() == []
