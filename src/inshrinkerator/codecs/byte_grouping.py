@@ -7,14 +7,15 @@ For floats the top two bytes of each element are first rotated left by one bit,
 so the sign moves down and the top plane holds exactly the exponent (fp32,
 bf16) or its top 8 bits (fp64), or the exponent and top mantissa bits (fp16).
 
-Each plane of each chunk is stored raw, when a sampled order-0 entropy estimate
-says it is near random (most mantissa planes: coding them costs time and saves
-nothing), or as one zstd frame. The default zstd parameters are tuned for planes:
-a tiny match finder (64-entry hash table, 7-byte minimum match) leaves nearly
-every byte to zstd's Huffman literal coder, which is what an exponent plane
-needs; on weights this codes the exponent plane ~15% smaller and ~3x faster than
-stock zstd level 1. Integer and bool tensors are grouped the same way without
-the rotation: the high bytes of small integers are mostly zero.
+Each plane of each chunk is stored one of two ways, chosen from a sample of it:
+
+- raw, when its estimated order-0 entropy says it is near random (most mantissa
+  planes: coding them costs time and saves nothing);
+- one zstd frame (see :mod:`.entropy`): Huffman-coded literals with almost no
+  LZ matching for low-entropy float planes such as exponents, where matches cost
+  more than they save; stock zstd level 1 where a probe shows repeats pay (runs
+  of zeros, Adam's second moment) and for every integer or bool plane (the high
+  bytes of small integers, sequences). A frame that is not smaller is stored raw.
 
 Chunks are coded in parallel. Byte planes are a byte-level layout of CPU buffers
 handed to zstd, so they are built with numpy at this I/O edge.
@@ -32,20 +33,19 @@ Params: ``{"chunk": elements per chunk}``.
 from __future__ import annotations
 
 import struct
-import threading
 from collections.abc import Sequence
 from typing import Any, Optional
 
 import numpy as np
 import torch
-import zstandard
 
 from ..errors import CorruptCheckpointError, FormatError
-from ._parallel import parallel_map
+from ._parallel import parallel_map, worker_count
 from .base import Codec, Encoded, TensorSpec
+from .entropy import byte_entropy_bits, expand_frame, huffman_frame, lz_frame
 from .registry import register_codec
 
-__all__ = ["ByteGroupingCodec", "tensor_byte_rows", "plane_parameters"]
+__all__ = ["ByteGroupingCodec", "tensor_byte_rows"]
 
 _ROTATED = {torch.float32, torch.float16, torch.bfloat16, torch.float64}
 # complex numbers are pairs of floats: group them as such
@@ -53,50 +53,23 @@ _COMPLEX_PARTS = {torch.complex64: torch.float32, torch.complex128: torch.float6
 
 _RAW, _ZSTD = 0, 1
 _COUNT = struct.Struct("<I")
-# Estimated bits/byte above which a plane is stored raw: zstd's literal coder
-# cannot win enough there to pay for itself (weights' low mantissa planes: 7.94-7.97).
-# The estimate from 4096 samples reads ~0.045 bits low on uniform bytes.
-_NEAR_RANDOM_BITS = 7.9
 # Bytes sampled (evenly spread) to estimate a plane's entropy.
 _SAMPLE_BYTES = 4096
+# Estimated bits/byte above which a float plane is stored raw: zstd's literal coder
+# cannot win enough there to pay for itself (weights' low mantissa planes: 7.94-7.97;
+# the estimate from 4096 samples reads ~0.045 bits low on uniform bytes).
+_NEAR_RANDOM_BITS = 7.9
+# Below this estimate an exponent plane is Huffman-coded without a probe: weights'
+# exponents (2.3-2.8 bits) lose to LZ matches. Other planes that are not near random
+# are probed: both coders run on a few spread slices and the smaller wins.
+_PROBE_ABOVE_BITS = 3.0
+_PROBE_BYTES = 16384
+_PROBE_SLICES = 4
+# An LZ frame must beat the Huffman one by this factor on the probe to be chosen.
+_LZ_PROBE_GAIN = 0.99
+# Tensors smaller than this are coded in one chunk (thread hand-offs cost more).
+_MIN_PARALLEL_BYTES = 1 << 18
 _MAX_CHUNK_ELEMENTS = 1 << 28
-
-_local = threading.local()
-
-
-def plane_parameters() -> zstandard.ZstdCompressionParameters:
-    """The zstd parameters tuned for byte planes (used when ``level`` is ``None``)."""
-    return zstandard.ZstdCompressionParameters(
-        window_log=17,  # 128 KiB: zstd's largest block, so one Huffman table per 128 KiB
-        hash_log=6,
-        chain_log=6,
-        search_log=1,
-        min_match=7,
-        target_length=0,
-        strategy=zstandard.STRATEGY_FAST,
-    )
-
-
-def _compressor(level: Optional[int]) -> zstandard.ZstdCompressor:
-    # zstd contexts are not thread-safe and cost a little to build: one per thread and level.
-    cache = getattr(_local, "compressors", None)
-    if cache is None:
-        cache = _local.compressors = {}
-    compressor = cache.get(level)
-    if compressor is None:
-        if level is None:
-            compressor = zstandard.ZstdCompressor(compression_params=plane_parameters())
-        else:
-            compressor = zstandard.ZstdCompressor(level=level)
-        cache[level] = compressor
-    return compressor
-
-
-def _decompressor() -> zstandard.ZstdDecompressor:
-    decompressor = getattr(_local, "decompressor", None)
-    if decompressor is None:
-        decompressor = _local.decompressor = zstandard.ZstdDecompressor()
-    return decompressor
 
 
 def _lane_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -146,49 +119,59 @@ def _write_unrotated_top(rows: np.ndarray, hi: np.ndarray, lo: np.ndarray) -> No
     rows[:, -2:].view(np.uint16).reshape(-1)[:] = top
 
 
-def _looks_random(sample: np.ndarray) -> bool:
-    """True when the sample's order-0 entropy is above :data:`_NEAR_RANDOM_BITS` per byte."""
-    count = sample.size
-    if count < 1024:
-        return False  # too few to tell; small planes are cheap to try
-    counts = np.bincount(sample, minlength=256)
-    counts = counts[counts > 0]
-    bits = np.log2(count) - float(np.dot(counts, np.log2(counts))) / count
-    return bits > _NEAR_RANDOM_BITS
+def _probe(data: np.ndarray) -> np.ndarray:
+    """A few evenly spread slices of ``data``, side by side (local runs and repeats survive)."""
+    slices, size = _PROBE_SLICES, _PROBE_BYTES // _PROBE_SLICES
+    stride = (data.size - size) // (slices - 1)
+    return np.concatenate([data[i * stride : i * stride + size] for i in range(slices)])
 
 
-class _ChunkPlan:
-    """One chunk's planes: ``(mode, payload)`` each; raw payloads are views copied at assembly."""
+def _code_float_plane(plane: Any, count: int, level: Optional[int], exponent: bool) -> tuple[int, Any]:
+    """``(mode, payload)`` for one plane of a float chunk; raw payloads stay views."""
+    step = max(1, count // _SAMPLE_BYTES)
+    bits = byte_entropy_bits(np.ascontiguousarray(plane[::step])) if count >= 1024 else 4.0
+    if bits > _NEAR_RANDOM_BITS:
+        return _RAW, plane
+    data = np.ascontiguousarray(plane)
+    if level is not None:
+        frame = lz_frame(data, level)
+    elif (exponent and bits < _PROBE_ABOVE_BITS) or count <= 2 * _PROBE_BYTES:
+        frame = huffman_frame(data)
+    else:
+        probe = _probe(data)
+        if len(lz_frame(probe)) < _LZ_PROBE_GAIN * len(huffman_frame(probe)):
+            frame = lz_frame(data)
+        else:
+            frame = huffman_frame(data)
+    return (_ZSTD, frame) if len(frame) < count else (_RAW, plane)
 
-    __slots__ = ("pieces",)
 
-    def __init__(self, pieces: list[tuple[int, Any]]) -> None:
-        self.pieces = pieces
+def _code_integer_plane(plane: Any, count: int, level: Optional[int]) -> tuple[int, Any]:
+    # Integer planes are often sequences or repeats that an order-0 estimate calls
+    # random (indices, counters); LZ finds those, and costs little on random bytes.
+    frame = lz_frame(np.ascontiguousarray(plane), 1 if level is None else level)
+    return (_ZSTD, frame) if len(frame) < count else (_RAW, plane)
 
 
-def _encode_chunk(rows: np.ndarray, rotate: bool, level: Optional[int]) -> _ChunkPlan:
+def _encode_chunk(rows: np.ndarray, is_float: bool, level: Optional[int]) -> list[tuple[int, Any]]:
     count, itemsize = rows.shape
     planes: list[Any] = [rows[:, p] for p in range(itemsize)]  # strided views
-    if rotate:
+    if not is_float:
+        return [_code_integer_plane(plane, count, level) for plane in planes]
+    if itemsize >= 2:
         planes[-1], planes[-2] = _rotated_top_planes(rows)
-    step = max(1, count // _SAMPLE_BYTES)
-    pieces: list[tuple[int, Any]] = []
-    for plane in planes:
-        if _looks_random(np.ascontiguousarray(plane[::step])):
-            pieces.append((_RAW, plane))
-            continue
-        packed = _compressor(level).compress(np.ascontiguousarray(plane))
-        pieces.append((_ZSTD, packed) if len(packed) < count else (_RAW, plane))
-    return _ChunkPlan(pieces)
+    top = itemsize - 1
+    return [_code_float_plane(plane, count, level, p == top) for p, plane in enumerate(planes)]
 
 
 @register_codec
 class ByteGroupingCodec(Codec):
-    """Byte planes per chunk, each zstd-compressed or raw.
+    """Byte planes per chunk, each zstd-coded or raw.
 
     Args:
-        level: ``None`` (default) for zstd parameters tuned for byte planes (see
-            :func:`plane_parameters`), or a stock zstd level in ``[-7, 22]``.
+        level: ``None`` (default) to choose per plane between Huffman-only and zstd
+            level 1 (see the module doc); an int in ``[-7, 22]`` codes every plane that
+            is not near random with that stock zstd level.
         chunk_bytes: tensor bytes per chunk; chunks are the unit of parallelism.
     """
 
@@ -208,17 +191,25 @@ class ByteGroupingCodec(Codec):
         self.level = level
         self.chunk_bytes = chunk_bytes
 
+    def _chunk_elements(self, count: int, itemsize: int) -> int:
+        """Elements per chunk: ``chunk_bytes`` worth, but split mid-sized tensors across workers."""
+        nbytes = count * itemsize
+        chunks = -(-nbytes // self.chunk_bytes)
+        if nbytes >= 2 * _MIN_PARALLEL_BYTES:
+            chunks = max(chunks, min(worker_count(), nbytes // _MIN_PARALLEL_BYTES))
+        return max(1, -(-count // max(chunks, 1)))
+
     def encode(self, tensor: torch.Tensor, reference: Optional[torch.Tensor] = None) -> Encoded:
         rows = tensor_byte_rows(tensor)
         count, itemsize = rows.shape
-        chunk = max(1, self.chunk_bytes // itemsize)
-        rotate = _lane_dtype(tensor.dtype) in _ROTATED
+        chunk = self._chunk_elements(count, itemsize)
+        is_float = _lane_dtype(tensor.dtype).is_floating_point
         level = self.level
         plans = parallel_map(
-            lambda start: _encode_chunk(rows[start : start + chunk], rotate, level),
+            lambda start: _encode_chunk(rows[start : start + chunk], is_float, level),
             range(0, count, chunk),
         )
-        pieces = [piece for plan in plans for piece in plan.pieces]
+        pieces = [piece for plan in plans for piece in plan]
         return Encoded(streams=[_assemble(pieces)], params={"chunk": chunk})
 
     def decode(
@@ -241,16 +232,13 @@ class ByteGroupingCodec(Codec):
 
         out = torch.empty(spec.shape, dtype=spec.dtype)
         rows = tensor_byte_rows(out)
-        rotate = lane in _ROTATED
+        rotated = lane.is_floating_point and itemsize >= 2
 
         def expand(index: int) -> None:
-            start = starts[index]
-            target = rows[start : start + chunk]
+            target = rows[starts[index] : starts[index] + chunk]
             size = target.shape[0]
-            planes = [
-                _expand_piece(*pieces[index * itemsize + p], size) for p in range(itemsize)
-            ]
-            if rotate:
+            planes = [_expand_piece(*pieces[index * itemsize + p], size) for p in range(itemsize)]
+            if rotated:
                 _write_unrotated_top(target, planes[-1], planes[-2])
                 planes = planes[:-2]
             for p, plane in enumerate(planes):
@@ -266,8 +254,8 @@ def _assemble(pieces: list[tuple[int, Any]]) -> np.ndarray:
     """The stream: index, then every piece copied once into one buffer."""
     sizes = [len(payload) if mode == _ZSTD else payload.shape[0] for mode, payload in pieces]
     head = _COUNT.size + 5 * len(pieces)
-    offsets = np.cumsum([head] + sizes)
-    out = np.empty(int(offsets[-1]), dtype=np.uint8)
+    offsets = np.cumsum([head] + sizes).tolist()
+    out = np.empty(offsets[-1], dtype=np.uint8)
     out[: _COUNT.size] = np.frombuffer(_COUNT.pack(len(pieces)), dtype=np.uint8)
     out[_COUNT.size : _COUNT.size + len(pieces)] = [mode for mode, _ in pieces]
     out[_COUNT.size + len(pieces) : head] = np.asarray(sizes, dtype="<u4").view(np.uint8)
@@ -277,7 +265,11 @@ def _assemble(pieces: list[tuple[int, Any]]) -> np.ndarray:
         target = out[offsets[index] : offsets[index + 1]]
         target[:] = np.frombuffer(payload, dtype=np.uint8) if mode == _ZSTD else payload
 
-    parallel_map(place, range(len(pieces)))
+    if offsets[-1] >= _MIN_PARALLEL_BYTES:
+        parallel_map(place, range(len(pieces)))
+    else:
+        for index in range(len(pieces)):
+            place(index)
     return out
 
 
@@ -294,39 +286,28 @@ def _parse_index(stream: Any, expected: int) -> list[tuple[int, memoryview]]:
     head = _COUNT.size + 5 * count
     if len(view) < head:
         raise CorruptCheckpointError("byte_grouping: stream is truncated inside its index")
-    modes = np.frombuffer(view[_COUNT.size : _COUNT.size + count], dtype=np.uint8)
+    modes = np.frombuffer(view[_COUNT.size : _COUNT.size + count], dtype=np.uint8).tolist()
     sizes = np.frombuffer(view[_COUNT.size + count : head], dtype="<u4").astype(np.int64)
     if int(sizes.sum()) != len(view) - head:
         raise CorruptCheckpointError(
             f"byte_grouping: pieces add up to {int(sizes.sum())} bytes, the stream holds {len(view) - head}"
         )
-    offsets = np.cumsum(sizes) + head
-    pieces = []
-    start = head
-    for mode, end in zip(modes.tolist(), offsets.tolist()):
-        pieces.append((mode, view[start:end]))
-        start = end
-    return pieces
+    ends = (np.cumsum(sizes) + head).tolist()
+    starts = [head] + ends[:-1]
+    return [(mode, view[start:end]) for mode, start, end in zip(modes, starts, ends)]
 
 
 def _expand_piece(mode: int, payload: memoryview, size: int) -> np.ndarray:
     """One plane of ``size`` bytes from its stored piece."""
     if mode == _RAW:
-        data: Any = payload
-    elif mode == _ZSTD:
-        claimed = zstandard.frame_content_size(payload) if len(payload) >= 6 else -2
-        if claimed != size:
+        if len(payload) != size:
             raise CorruptCheckpointError(
-                f"byte_grouping: a zstd piece claims {claimed} bytes, its plane holds {size}"
+                f"byte_grouping: a raw piece holds {len(payload)} bytes, its plane holds {size}"
             )
+        return np.frombuffer(payload, dtype=np.uint8)
+    if mode == _ZSTD:
         try:
-            data = _decompressor().decompress(payload, max_output_size=size)
-        except zstandard.ZstdError as exc:
-            raise CorruptCheckpointError(f"byte_grouping: bad zstd piece ({exc})") from None
-    else:
-        raise CorruptCheckpointError(f"byte_grouping: unknown piece mode {mode}")
-    if len(data) != size:
-        raise CorruptCheckpointError(
-            f"byte_grouping: a piece holds {len(data)} bytes, its plane holds {size}"
-        )
-    return np.frombuffer(data, dtype=np.uint8)
+            return np.frombuffer(expand_frame(payload, size), dtype=np.uint8)
+        except CorruptCheckpointError as exc:
+            raise CorruptCheckpointError(f"byte_grouping: {exc}") from None
+    raise CorruptCheckpointError(f"byte_grouping: unknown piece mode {mode}")
