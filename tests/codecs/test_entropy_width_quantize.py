@@ -45,15 +45,25 @@ def test_other_float_dtypes(dtype: torch.dtype) -> None:
     assert float((tensor.double() - decoded.double()).abs().max()) < 0.01
 
 
-def test_wider_distributions_get_more_bins() -> None:
-    spread = torch.rand(10000)  # flat over its range: about 8 bits at 256-bin resolution
-    peaked = torch.cat([torch.randn(9990) * 1e-3, torch.tensor([5.0] * 10)])  # one busy bin
-    assert entropy_bin_count(spread, 8, 256) == 256
-    assert entropy_bin_count(peaked, 8, 256) == 8
-    # A normal bulk inside a range stretched by outliers uses about 2**5 of the 256 bins.
-    stretched = torch.cat([torch.randn(10000), torch.tensor([-20.0, 20.0])])
-    assert entropy_bin_count(stretched, 8, 256) == 32
+def test_layers_that_fill_their_range_get_more_bins() -> None:
+    generator = torch.Generator().manual_seed(0)
+    flat = torch.rand(10000, generator=generator)  # fills its range: H = log2(4.13 * 0.29 * 256) = 8.2
+    normal = torch.randn(10000, generator=generator)  # range about 7.6 std: H = 7.1
+    stretched = torch.cat([normal, torch.tensor([-40.0, 40.0])])  # outliers: range 80 std, H = 3.7
+    assert entropy_bin_count(flat, 8, 256) == 256
+    assert entropy_bin_count(normal, 8, 256) == 256
+    assert entropy_bin_count(stretched, 8, 256) == 16
+    assert entropy_bin_count(stretched, 32, 256) == 32
     assert entropy_bin_count(torch.full((50,), 3.0), 8, 256) == 8
+
+
+def test_quantizing_a_restored_layer_again_changes_nothing() -> None:
+    tensor = torch.randn(300, 300) * 0.05
+    codec = EntropyWidthQuantizeCodec()
+    first = codec.encode(tensor)
+    second = codec.encode(first.reconstruction)
+    assert second.params["bins"] == first.params["bins"]
+    assert torch.allclose(second.reconstruction, first.reconstruction, rtol=0, atol=1e-7)
 
 
 def test_low_entropy_codes_take_less_than_their_width() -> None:

@@ -26,8 +26,8 @@ research/algorithms.md §1.6 and §5):
 The reference's CRC-32 is recorded; decoding against another reference is a
 :class:`BrokenChainError`.
 
-Streams: ``[entropy-coded cyclic differences]``; params: ``bins``, ``low``,
-``scale``, ``reference_crc32``.
+Streams: ``[entropy-coded cyclic differences, zero padding]`` (see
+:mod:`.expansion_padding`); params: ``bins``, ``low``, ``scale``, ``reference_crc32``.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ import torch
 from ..errors import BrokenChainError, CorruptCheckpointError
 from .base import Codec, Encoded, TensorSpec
 from .entropy import decode_symbols, encode_symbols
+from .expansion_padding import PADDED_MAX_EXPANSION, check_padding_stream, padding_stream
 from .entropy_width_quantize import UniformGrid, check_bin_bounds, entropy_bin_count
 from .lossy_input import checked_float_input, require_float_spec
 from .registry import register_codec
@@ -70,6 +71,7 @@ class CyclicCodeDeltaCodec(Codec):
 
     codec_id = "cyclic_code_delta"
     lossless = False
+    max_expansion = PADDED_MAX_EXPANSION
     uses_reference = True
 
     def __init__(self, min_bins: int = 8, max_bins: int = 256) -> None:
@@ -84,8 +86,9 @@ class CyclicCodeDeltaCodec(Codec):
         grid = UniformGrid.spanning(flat, entropy_bin_count(flat, self.min_bins, self.max_bins))
         codes = grid.codes(flat)
         differences = torch.remainder(codes - grid.codes(previous), grid.bins)
+        streams = [encode_symbols(differences, grid.bins)]
         return Encoded(
-            streams=[encode_symbols(differences, grid.bins)],
+            streams=[*streams, padding_stream(streams, TensorSpec.of(tensor).nbytes)],
             params={**grid.params(), "reference_crc32": reference_checksum(reference)},
             reconstruction=grid.values(codes).reshape(tensor.shape).to(tensor.dtype),
         )
@@ -105,8 +108,9 @@ class CyclicCodeDeltaCodec(Codec):
                 "the reference tensor differs from the one this code delta was taken against "
                 "(checksum mismatch): load it against the same previous checkpoint or base"
             )
-        if len(streams) != 1:
-            raise CorruptCheckpointError(f"{self.codec_id}: expected 1 stream, got {len(streams)}")
+        if len(streams) != 2:
+            raise CorruptCheckpointError(f"{self.codec_id}: expected 2 streams, got {len(streams)}")
+        check_padding_stream(streams[1], self.codec_id)
         differences = decode_symbols(streams[0], spec.numel)
         if differences.numel() and int(differences.max()) >= grid.bins:
             raise CorruptCheckpointError(f"{self.codec_id}: a symbol lies outside the {grid.bins}-level grid")

@@ -2,19 +2,25 @@
 
 A tensor is quantized per layer on one uniform grid spanning its ``[min, max]``
 with ``B`` levels, ``low + code * scale``; the codes are entropy coded. ``B`` is
-chosen from the data: the Shannon entropy ``H`` (bits) of the values histogrammed
-into ``max_bins`` equal bins measures how many distinguishable levels the layer
-really uses at the finest allowed resolution; the layer gets ``2**ceil(H)``
-levels, clamped to ``[min_bins, max_bins]``. A wide, flat distribution gets many
-levels, a concentrated one few.
+chosen from the data: ``H``, the entropy (bits) the layer's values carry at the
+finest allowed resolution ``(max - min) / max_bins``, says how many levels the
+layer really uses; it gets ``2**ceil(H)`` levels, clamped to ``[min_bins,
+max_bins]``. A layer whose values fill their range gets many levels; one whose
+mass sits in a small part of it (outliers stretch the range) gets few.
+
+``H`` is estimated from the standard deviation, as the entropy of a normal
+distribution of that spread: ``log2(sqrt(2 pi e) * std / step)``. A histogram
+count would be lower for a layer restored from a checkpoint (its values already
+sit on a grid) and would coarsen the grid at every restore; the spread and range
+of a quantized layer are those of the original, so it gets the same bin count.
 
 Paper vs this code (QD-Compressor, TPDS 2023; research/algorithms.md §5):
 
 - QD-Compressor adapts bits per layer from the "weighted entropy" of the value
   distribution; Inshrinkerator's QD+ re-implementation is described only as
   "entropy-based variable bit-width uniform quantization" with minimum and maximum
-  bins in {8, ..., 256}. The ``2**ceil(H)`` rule above is our reading; those bounds
-  are our defaults.
+  bins in {8, ..., 256}. The ``2**ceil(H)`` rule and the normal-entropy estimate
+  above are our reading; those bounds are our defaults.
 - QD's error-feedback correction modifies training (it is not transparent to the
   training loop), so it is left out.
 - The entropy stage is the project's order-0 ANS coder instead of Huffman (within
@@ -27,7 +33,8 @@ previous checkpoint.
 Error bound: every value is within ``scale / 2`` of its decoded value, with
 ``scale = (max - min) / (B - 1)``.
 
-Streams: ``[entropy-coded codes]``; params: ``bins``, ``low``, ``scale``.
+Streams: ``[entropy-coded codes, zero padding]`` (see :mod:`.expansion_padding`);
+params: ``bins``, ``low``, ``scale``.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ import torch
 from ..errors import CorruptCheckpointError, FormatError
 from .base import Codec, Encoded, TensorSpec
 from .entropy import decode_symbols, encode_symbols
+from .expansion_padding import PADDED_MAX_EXPANSION, check_padding_stream, padding_stream
 from .lossy_input import checked_float_input, require_float_spec
 from .registry import register_codec
 from .uniform_quantize import dequantize_rows, quantize_rows
@@ -61,17 +69,20 @@ def check_bin_bounds(codec_id: str, min_bins: Any, max_bins: Any) -> None:
 
 
 def entropy_bin_count(values: torch.Tensor, min_bins: int, max_bins: int) -> int:
-    """``2**ceil(H)`` clamped to ``[min_bins, max_bins]``; ``H`` = entropy of a ``max_bins`` histogram."""
-    flat = values.reshape(-1)
-    if flat.numel() == 0:
+    """``2**ceil(H)`` clamped to ``[min_bins, max_bins]``, ``H`` the layer's entropy estimate.
+
+    ``H = log2(sqrt(2 pi e) * std / step)`` bits, with ``step = (max - min) / max_bins``:
+    the entropy of a normal distribution of the layer's spread, read at the finest
+    resolution allowed.
+    """
+    flat = values.reshape(-1).to(torch.float64)
+    if flat.numel() < 2:
         return min_bins
-    low, high = flat.min(), flat.max()
-    if not bool(high > low):
+    span = float(flat.max() - flat.min())
+    spread = float(flat.std())
+    if not span > 0 or not spread > 0:
         return min_bins
-    index = ((flat - low) / (high - low) * max_bins).floor().clamp(0, max_bins - 1).to(torch.int64)
-    counts = torch.bincount(index, minlength=max_bins).to(torch.float64)
-    probabilities = torch.masked_select(counts, counts > 0) / flat.numel()
-    entropy = float(-(probabilities * probabilities.log2()).sum())
+    entropy = math.log2(math.sqrt(2 * math.pi * math.e) * spread * max_bins / span)
     bits = max(1, math.ceil(entropy - 1e-9))
     return int(min(max(1 << min(bits, 30), min_bins), max_bins))
 
@@ -129,6 +140,7 @@ class EntropyWidthQuantizeCodec(Codec):
 
     codec_id = "entropy_width_quantize"
     lossless = False
+    max_expansion = PADDED_MAX_EXPANSION
 
     def __init__(self, min_bins: int = 8, max_bins: int = 256) -> None:
         check_bin_bounds(self.codec_id, min_bins, max_bins)
@@ -139,8 +151,9 @@ class EntropyWidthQuantizeCodec(Codec):
         flat = checked_float_input(tensor, self.codec_id)
         grid = UniformGrid.spanning(flat, entropy_bin_count(flat, self.min_bins, self.max_bins))
         codes = grid.codes(flat)
+        streams = [encode_symbols(codes, grid.bins)]
         return Encoded(
-            streams=[encode_symbols(codes, grid.bins)],
+            streams=[*streams, padding_stream(streams, TensorSpec.of(tensor).nbytes)],
             params=grid.params(),
             reconstruction=grid.values(codes).reshape(tensor.shape).to(tensor.dtype),
         )
@@ -154,8 +167,9 @@ class EntropyWidthQuantizeCodec(Codec):
     ) -> torch.Tensor:
         compute = require_float_spec(spec, self.codec_id)
         grid = UniformGrid.from_params(params, compute, self.codec_id, self.max_bins)
-        if len(streams) != 1:
-            raise CorruptCheckpointError(f"{self.codec_id}: expected 1 stream, got {len(streams)}")
+        if len(streams) != 2:
+            raise CorruptCheckpointError(f"{self.codec_id}: expected 2 streams, got {len(streams)}")
+        check_padding_stream(streams[1], self.codec_id)
         codes = decode_symbols(streams[0], spec.numel)
         if codes.numel() and int(codes.max()) >= grid.bins:
             raise CorruptCheckpointError(f"{self.codec_id}: a code lies outside the {grid.bins}-level grid")

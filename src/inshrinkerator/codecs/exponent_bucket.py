@@ -24,7 +24,8 @@ Error bound: a kept value keeps its sign and ``|x - x_hat| <= |x| / 2`` (midrang
 ``<= |x|`` for the mean); a dropped value becomes 0 and is smaller than twice any
 kept value (``max |dropped| < 2 * min |kept|``).
 
-Streams: ``[representatives (k working-dtype values), entropy-coded codes]``.
+Streams: ``[representatives (k working-dtype values), entropy-coded codes, zero
+padding]`` (see :mod:`.expansion_padding`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import torch
 from ..errors import CorruptCheckpointError, FormatError
 from .base import Codec, Encoded, TensorSpec
 from .entropy import decode_symbols, encode_symbols
+from .expansion_padding import PADDED_MAX_EXPANSION, check_padding_stream, padding_stream
 from .lossy_input import checked_float_input, require_float_spec
 from .raw import tensor_bytes, tensor_from_bytes
 from .registry import register_codec
@@ -70,6 +72,7 @@ class ExponentBucketCodec(Codec):
 
     codec_id = "exponent_bucket"
     lossless = False
+    max_expansion = PADDED_MAX_EXPANSION
 
     def __init__(self, bits: int = 3, representative: str = "midrange") -> None:
         if not isinstance(bits, int) or isinstance(bits, bool) or not 1 <= bits <= MAX_BITS:
@@ -98,8 +101,9 @@ class ExponentBucketCodec(Codec):
         codes.masked_scatter_(nonzero, rank_of_bucket.index_select(0, bucket))
         table = reps.index_select(0, kept)
         rebuilt = torch.cat([table.new_zeros(1), table]).index_select(0, codes)
+        streams = [tensor_bytes(table), encode_symbols(codes, kept.numel() + 1)]
         return Encoded(
-            streams=[tensor_bytes(table), encode_symbols(codes, kept.numel() + 1)],
+            streams=[*streams, padding_stream(streams, TensorSpec.of(tensor).nbytes)],
             params={"buckets": int(kept.numel())},
             reconstruction=rebuilt.reshape(tensor.shape).to(tensor.dtype),
         )
@@ -115,8 +119,9 @@ class ExponentBucketCodec(Codec):
         buckets = params.get("buckets")
         if not isinstance(buckets, int) or isinstance(buckets, bool) or not 0 <= buckets < 1 << self.bits:
             raise FormatError(f"exponent_bucket: bad bucket count {buckets!r} for {self.bits}-bit codes")
-        if len(streams) != 2:
-            raise CorruptCheckpointError(f"exponent_bucket: expected 2 streams, got {len(streams)}")
+        if len(streams) != 3:
+            raise CorruptCheckpointError(f"exponent_bucket: expected 3 streams, got {len(streams)}")
+        check_padding_stream(streams[2], self.codec_id)
         table = tensor_from_bytes(streams[0], TensorSpec(compute, (buckets,)))
         codes = decode_symbols(streams[1], spec.numel)
         if codes.numel() and int(codes.max()) > buckets:

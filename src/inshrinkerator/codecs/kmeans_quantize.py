@@ -30,7 +30,7 @@ part of the config: the decoder does not need it, pruned values are the zero cod
 Error bound: a pruned value decodes to 0; a kept value decodes to its nearest
 codebook entry (up to a rounding of the midpoint between two entries).
 
-Streams: ``[codebook, LZMA(packed codes)]``.
+Streams: ``[codebook, LZMA(packed codes), zero padding]`` (see :mod:`.expansion_padding`).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ import torch
 from ..errors import CorruptCheckpointError, FormatError
 from .base import Codec, Encoded, TensorSpec, dtype_from_name, dtype_name
 from .bit_packing import MAX_BITS, pack_codes, packed_size, unpack_codes
+from .expansion_padding import PADDED_MAX_EXPANSION, check_padding_stream, padding_stream
 from .lossy_input import checked_float_input, require_float_spec
 from .raw import tensor_bytes, tensor_from_bytes
 from .registry import register_codec
@@ -114,6 +115,7 @@ class KMeansQuantizeCodec(Codec):
 
     codec_id = "kmeans_quantize"
     lossless = False
+    max_expansion = PADDED_MAX_EXPANSION
 
     def __init__(
         self, bits: int = 4, iterations: int = 25, lzma_preset: int = 9, lzma_extreme: bool = True
@@ -171,8 +173,9 @@ class KMeansQuantizeCodec(Codec):
         if table.numel():
             codes.masked_scatter_(kept, _nearest(values, table) + 1)
         rebuilt = torch.cat([table.new_zeros(1), table]).index_select(0, codes)
+        streams = [tensor_bytes(stored), self._lzma(pack_codes(codes, self.bits))]
         return Encoded(
-            streams=[tensor_bytes(stored), self._lzma(pack_codes(codes, self.bits))],
+            streams=[*streams, padding_stream(streams, TensorSpec.of(tensor).nbytes)],
             params={
                 "centres": int(table.numel()),
                 "codebook_dtype": dtype_name(stored.dtype),
@@ -198,8 +201,9 @@ class KMeansQuantizeCodec(Codec):
         codebook_dtype = dtype_from_name(params.get("codebook_dtype"))
         if codebook_dtype not in (torch.float16, compute):
             raise FormatError(f"kmeans_quantize: codebook dtype {codebook_dtype} does not fit {spec.dtype}")
-        if len(streams) != 2:
-            raise CorruptCheckpointError(f"kmeans_quantize: expected 2 streams, got {len(streams)}")
+        if len(streams) != 3:
+            raise CorruptCheckpointError(f"kmeans_quantize: expected 3 streams, got {len(streams)}")
+        check_padding_stream(streams[2], self.codec_id)
         stored = tensor_from_bytes(streams[0], TensorSpec(codebook_dtype, (centres,)))
         table = _codebook_values(stored, exponent, compute)
         expected = packed_size(spec.numel, self.bits)

@@ -20,6 +20,7 @@ import torch
 
 from ..errors import BrokenChainError, FormatError
 from .base import Codec, Encoded, TensorSpec
+from .expansion_padding import PADDED_MAX_EXPANSION
 from .lossy_input import checked_float_input, require_float_spec, working_dtype
 from .registry import get_codec, register_codec
 from .xor_delta import reference_checksum
@@ -51,6 +52,9 @@ class ResidualCodec(Codec):
     codec_id = "residual"
     lossless = False
     uses_reference = True
+    # The inner codec keeps its output within this limit of the residual's size, which is
+    # at least the tensor's (the residual is float32 or float64).
+    max_expansion = PADDED_MAX_EXPANSION
 
     def __init__(self, inner: Union[dict[str, Any], Codec]) -> None:
         if isinstance(inner, Codec):

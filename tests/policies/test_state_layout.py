@@ -1,0 +1,160 @@
+"""state_layout: roles of a state's tensors and optimizer-entry -> parameter pairing."""
+
+from __future__ import annotations
+
+import torch
+
+from inshrinkerator.policies.state_layout import TensorRole, layout_of
+from inshrinkerator.tree import flatten, format_key_path
+
+from ..helpers import training_state
+
+R = TensorRole
+
+
+def describe(state) -> tuple[dict[str, TensorRole], dict[str, str | None], object, list]:
+    leaves = flatten(state).tensors
+    layout = layout_of(leaves)
+    keys = [format_key_path(leaf.path) for leaf in leaves]
+    roles = dict(zip(keys, layout.roles))
+    paired = {
+        key: (keys[p] if p is not None else None)
+        for key, p in zip(keys, layout.parameter_of)
+    }
+    return roles, paired, layout, keys
+
+
+def adam_state(model: torch.nn.Module, **optimizer_options) -> dict:
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-3, **optimizer_options)
+    loss = sum(p.sum() for p in model.parameters() if p.requires_grad)
+    loss.backward()
+    optimizer.step()
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": 1}
+
+
+def test_training_state_roles_and_pairs() -> None:
+    roles, paired, layout, keys = describe(training_state(steps=2))
+    assert roles["model/0.weight"] is R.WEIGHT and roles["model/4.bias"] is R.WEIGHT
+    assert roles["model/1.running_mean"] is R.OTHER and roles["model/1.num_batches_tracked"] is R.OTHER
+    assert roles["optimizer/state/0/exp_avg"] is R.FIRST_MOMENT
+    assert roles["optimizer/state/0/exp_avg_sq"] is R.SECOND_MOMENT
+    assert roles["optimizer/state/0/step"] is R.OTHER and roles["rng"] is R.OTHER
+    # Parameter order: conv weight, conv bias, bn weight, bn bias, linear weight, linear bias.
+    expected = ["model/0.weight", "model/0.bias", "model/1.weight", "model/1.bias", "model/4.weight", "model/4.bias"]
+    for identifier, weight in enumerate(expected):
+        assert paired[f"optimizer/state/{identifier}/exp_avg"] == weight
+        assert paired[f"optimizer/state/{identifier}/exp_avg_sq"] == weight
+        assert paired[f"optimizer/state/{identifier}/step"] is None
+    linear = keys.index("model/4.weight")
+    by_role = layout.optimizer_state_of(linear)
+    assert {keys[i] for i in by_role.values()} == {"optimizer/state/4/exp_avg", "optimizer/state/4/exp_avg_sq"}
+    assert layout.indices(R.SECOND_MOMENT) == [keys.index(f"optimizer/state/{i}/exp_avg_sq") for i in range(6)]
+
+
+def test_sgd_momentum_buffers() -> None:
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    roles, paired, _, _ = describe({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+    assert roles["optimizer/state/0/momentum_buffer"] is R.MOMENTUM_BUFFER
+    assert paired["optimizer/state/1/momentum_buffer"] == "model/bias"
+
+
+class _WithMaskBuffer(torch.nn.Module):
+    """Float buffers between parameters, as nanoGPT's causal mask sits in its state dict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(4, 4)
+        self.register_buffer("mask", torch.ones(1, 1, 4, 4))
+        self.second = torch.nn.Linear(4, 2)
+
+
+def test_float_buffers_between_parameters_are_skipped() -> None:
+    roles, paired, _, _ = describe(adam_state(_WithMaskBuffer()))
+    assert roles["model/mask"] is R.WEIGHT  # a float tensor of the model; only its shape tells
+    assert paired["optimizer/state/1/exp_avg"] == "model/first.bias"
+    assert paired["optimizer/state/2/exp_avg"] == "model/second.weight"
+    assert paired["optimizer/state/3/exp_avg_sq"] == "model/second.bias"
+
+
+def test_parameters_without_state_leave_gaps() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 2))
+    optimizer = torch.optim.Adam(model.parameters())
+    model[1](torch.randn(2, 5)).sum().backward()  # only the second layer gets gradients
+    optimizer.step()
+    roles, paired, _, _ = describe({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+    assert paired["optimizer/state/2/exp_avg"] == "model/1.weight"
+    assert paired["optimizer/state/3/exp_avg"] == "model/1.bias"
+
+
+def test_amsgrad_and_step_stay_other_and_string_ids_work() -> None:
+    state = adam_state(torch.nn.Linear(3, 2), amsgrad=True)
+    state["optimizer"]["state"] = {str(k): v for k, v in state["optimizer"]["state"].items()}
+    roles, paired, _, _ = describe(state)
+    assert roles["optimizer/state/0/max_exp_avg_sq"] is R.OTHER
+    assert roles["optimizer/state/0/step"] is R.OTHER
+    assert paired["optimizer/state/0/exp_avg"] == "model/weight"
+
+
+def test_shape_mismatch_leaves_entries_unpaired() -> None:
+    state = adam_state(torch.nn.Linear(3, 2))
+    state["model"] = {"other.weight": torch.randn(7, 7)}
+    roles, paired, layout, _ = describe(state)
+    assert roles["optimizer/state/0/exp_avg"] is R.FIRST_MOMENT
+    assert all(p is None for p in paired.values())
+    assert layout.optimizer_state_of(0) == {}
+
+
+def test_bare_optimizer_state_has_no_weights() -> None:
+    state = adam_state(torch.nn.Linear(3, 2))["optimizer"]
+    roles, paired, layout, keys = describe(state)
+    assert R.WEIGHT not in roles.values()
+    assert all(p is None for p in paired.values())
+    first = keys.index("state/0/exp_avg")
+    assert {keys[i] for i in layout.entry_moments(first).values()} == {"state/0/exp_avg", "state/0/exp_avg_sq"}
+
+
+def test_two_optimizers_claiming_the_same_weights_are_unpaired() -> None:
+    model = torch.nn.Linear(3, 3)
+    first = adam_state(model)["optimizer"]
+    copy = {"state": {i: {k: v.clone() for k, v in entry.items()} for i, entry in first["state"].items()}}
+    roles, paired, _, _ = describe({"model": model.state_dict(), "opt_a": first, "opt_b": copy})
+    assert roles["opt_b/state/0/exp_avg"] is R.FIRST_MOMENT
+    assert all(p is None for p in paired.values())
+
+
+def test_two_optimizers_over_different_parameters_pair() -> None:
+    generator, discriminator = torch.nn.Linear(3, 4), torch.nn.Linear(4, 1)
+    state_g = adam_state(generator)["optimizer"]
+    state_d = adam_state(discriminator)["optimizer"]
+    roles, paired, _, _ = describe(
+        {"g": generator.state_dict(), "d": discriminator.state_dict(), "opt_g": state_g, "opt_d": state_d}
+    )
+    assert paired["opt_g/state/0/exp_avg"] == "g/weight"
+    # opt_d's ids also start at 0; in-order matching skips g's differently shaped tensors.
+    assert paired["opt_d/state/0/exp_avg"] == "d/weight"
+
+
+def test_model_only_state_and_non_float_tensors() -> None:
+    state = {
+        "weights": torch.nn.Linear(2, 2).state_dict(),
+        "labels": torch.arange(5),
+        "mask": torch.ones(3, dtype=torch.bool),
+        "scale": torch.tensor(2.0),
+    }
+    roles, paired, _, _ = describe(state)
+    assert roles == {
+        "weights/weight": R.WEIGHT,
+        "weights/bias": R.WEIGHT,
+        "labels": R.OTHER,
+        "mask": R.OTHER,
+        "scale": R.WEIGHT,
+    }
+    assert all(p is None for p in paired.values())
+
+
+def test_empty_state() -> None:
+    layout = layout_of([])
+    assert layout.roles == () and layout.parameter_of == ()
