@@ -1,0 +1,277 @@
+"""ByteGroupingCodec: exact round trips for every dtype and layout, its format, its errors."""
+
+from __future__ import annotations
+
+import base64
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from inshrinkerator.codecs import ByteGroupingCodec, TensorSpec, dtype_from_name, get_codec
+from inshrinkerator.errors import CorruptCheckpointError, FormatError
+from ..helpers import ALL_DTYPES, assert_same, check_codec_roundtrip, make_tensor
+
+GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "codecs"
+SHAPES = [(), (0,), (3, 0), (1,), (7,), (33, 65), (4, 3, 1000)]
+# Small chunks, so modest tensors already span several chunks and a partial one.
+SMALL_CHUNKS = ByteGroupingCodec(chunk_bytes=4096)
+
+
+def _bits(tensor: torch.Tensor) -> bytes:
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _encode(codec: ByteGroupingCodec, tensor: torch.Tensor) -> tuple[bytes, dict, TensorSpec]:
+    encoded = codec.encode(tensor)
+    return bytes(memoryview(encoded.streams[0]).cast("B")), encoded.params, TensorSpec.of(tensor)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("codec", [ByteGroupingCodec(), SMALL_CHUNKS], ids=["default", "small-chunks"])
+def test_round_trip_is_exact_for_every_dtype_and_shape(dtype, shape, codec):
+    tensor = make_tensor(dtype, shape, seed=len(shape))
+    assert_same(check_codec_roundtrip(codec, tensor), tensor)
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128, torch.uint16, torch.uint32, torch.uint64])
+def test_round_trip_of_the_other_file_dtypes(dtype):
+    if dtype.is_complex:
+        tensor = torch.randn(2000, dtype=dtype)
+    else:
+        tensor = torch.randint(0, 30000, (2000,)).to(dtype)
+    assert_same(check_codec_roundtrip(SMALL_CHUNKS, tensor), tensor)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32])
+def test_views_and_non_contiguous_tensors_decode_to_their_values(dtype):
+    base = make_tensor(dtype, (64, 90), seed=3)
+    views = {
+        "transposed": base.t(),
+        "strided": base[::3, 1::2],
+        "column": base[:, 5],
+        "expanded": base[0].expand(5, 90),
+        "offset slice": base[10:20],
+        "permuted 3-d": base.reshape(8, 8, 90).permute(2, 0, 1),
+    }
+    for name, view in views.items():
+        decoded = check_codec_roundtrip(SMALL_CHUNKS, view)
+        assert decoded.is_contiguous(), name
+        assert_same(decoded, view.contiguous(), name)
+
+
+def test_encoding_leaves_its_input_untouched_and_gradients_alone():
+    for dtype in ALL_DTYPES:
+        tensor = make_tensor(dtype, (3000,), seed=4)
+        before = _bits(tensor)
+        SMALL_CHUNKS.encode(tensor)
+        assert _bits(tensor) == before, dtype
+    weight = torch.randn(100, requires_grad=True)
+    assert_same(check_codec_roundtrip(SMALL_CHUNKS, weight), weight.detach())
+
+
+def test_conjugate_and_negative_views_are_resolved():
+    z = torch.randn(300, dtype=torch.complex64)
+    assert_same(check_codec_roundtrip(SMALL_CHUNKS, z.conj()), z.conj().resolve_conj())
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    dtype=st.sampled_from(ALL_DTYPES),
+    data=st.binary(min_size=0, max_size=6000),
+    chunk_bytes=st.sampled_from([4096, 8192, 1 << 20]),
+    level=st.sampled_from([None, None, 1, -1]),
+)
+def test_any_bit_pattern_round_trips(dtype, data, chunk_bytes, level):
+    """Arbitrary bytes (NaN payloads, infinities, denormals, any integer) come back bit for bit."""
+    usable = len(data) - len(data) % dtype.itemsize
+    if dtype == torch.bool:
+        raw = torch.tensor(list(data[:usable]), dtype=torch.uint8) % 2
+        tensor = raw.to(torch.bool)
+    else:
+        tensor = torch.frombuffer(bytearray(data[:usable]), dtype=torch.uint8).view(dtype) if usable else torch.empty(0, dtype=dtype)
+    codec = ByteGroupingCodec(level=level, chunk_bytes=chunk_bytes)
+    decoded = check_codec_roundtrip(codec, tensor)
+    assert _bits(decoded) == _bits(tensor)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    scale=st.floats(min_value=1e-30, max_value=1e30),
+    zero_fraction=st.floats(min_value=0.0, max_value=0.9),
+    count=st.integers(min_value=1, max_value=40000),
+)
+def test_weight_like_data_with_zero_runs_round_trips(scale, zero_fraction, count):
+    generator = torch.Generator().manual_seed(count)
+    tensor = torch.randn(count, generator=generator) * scale
+    tensor[: int(count * zero_fraction)] = 0.0  # a run of zeros, as dead units leave
+    decoded = check_codec_roundtrip(SMALL_CHUNKS, tensor)
+    assert _bits(decoded) == _bits(tensor)
+
+
+def test_it_compresses_what_is_compressible_and_never_expands_much():
+    weights = torch.randn(200_000) * 0.02
+    stored, _, _ = _encode(ByteGroupingCodec(), weights)
+    assert len(stored) < weights.numel() * 4 / 1.15  # exponents code to ~1/3 of their bytes
+
+    zeros = torch.zeros(100_000, dtype=torch.int64)
+    stored, _, _ = _encode(ByteGroupingCodec(), zeros)
+    assert len(stored) < zeros.numel() * 8 / 500
+
+    noise = torch.randint(0, 256, (300_000,), dtype=torch.uint8)
+    stored, _, _ = _encode(ByteGroupingCodec(), noise)
+    assert len(stored) <= noise.numel() + 64  # raw pieces plus a small index
+
+
+def test_chunks_hold_at_most_chunk_bytes_and_mid_sized_tensors_feed_every_worker(monkeypatch):
+    import inshrinkerator.codecs.byte_grouping as module
+
+    monkeypatch.setattr(module, "worker_count", lambda: 4)
+    codec = ByteGroupingCodec()
+    assert codec._chunk_elements(10, 4) == 10  # small: one chunk
+    big = codec._chunk_elements(10_000_000, 4)
+    assert big <= codec.chunk_bytes // 4 and -(-10_000_000 // big) == -(-40_000_000 // codec.chunk_bytes)
+    assert -(-150_000 // codec._chunk_elements(150_000, 4)) == 2  # 600 KB: two workers' worth
+    assert -(-300_000 // codec._chunk_elements(300_000, 4)) == 4
+
+
+def test_config_validation_and_registry_round_trip():
+    codec = ByteGroupingCodec(level=5, chunk_bytes=8192)
+    config = json.loads(json.dumps(codec.get_config()))
+    assert config == {"id": "byte_grouping", "level": 5, "chunk_bytes": 8192}
+    assert get_codec(config) == codec
+    for bad in [{"level": 99}, {"level": "1"}, {"level": True}, {"chunk_bytes": 100}, {"chunk_bytes": 2.5}]:
+        with pytest.raises(ValueError):
+            ByteGroupingCodec(**bad)
+        with pytest.raises(FormatError):
+            get_codec({"id": "byte_grouping", **bad})
+
+
+# --- decoding what it should refuse ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sample() -> tuple[bytes, dict, TensorSpec, torch.Tensor]:
+    tensor = make_tensor(torch.float32, (3000,), seed=9)
+    stream, params, spec = _encode(SMALL_CHUNKS, tensor)
+    return stream, params, spec, tensor
+
+
+def _decode(stream: bytes, params: dict, spec: TensorSpec) -> torch.Tensor:
+    return SMALL_CHUNKS.decode([stream], params, spec)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [{}, {"chunk": 0}, {"chunk": -5}, {"chunk": "768"}, {"chunk": True}, {"chunk": 1 << 40}, {"chunk": 1.5}],
+    ids=str,
+)
+def test_params_that_do_not_fit_are_a_format_error(sample, params):
+    stream, _, spec, _ = sample
+    with pytest.raises(FormatError) as info:
+        _decode(stream, params, spec)
+    assert not isinstance(info.value, CorruptCheckpointError)
+
+
+def test_a_stream_for_another_spec_or_stream_count_is_refused(sample):
+    stream, params, spec, _ = sample
+    with pytest.raises(FormatError):
+        _decode(stream, params, TensorSpec(torch.float32, (6000,)))
+    with pytest.raises(FormatError):
+        _decode(stream, params, TensorSpec(torch.float64, (3000,)))
+    with pytest.raises(FormatError):
+        SMALL_CHUNKS.decode([stream, stream], params, spec)
+    with pytest.raises(FormatError):
+        SMALL_CHUNKS.decode([], params, spec)
+
+
+def test_every_truncation_is_a_corrupt_checkpoint_error(sample):
+    stream, params, spec, _ = sample
+    for cut in sorted(set(range(0, 64)) | set(range(64, len(stream), 97))):
+        with pytest.raises(CorruptCheckpointError):
+            _decode(stream[:cut], params, spec)
+    with pytest.raises(CorruptCheckpointError):
+        _decode(stream + b"\0", params, spec)
+
+
+def test_a_damaged_index_is_a_corrupt_checkpoint_error(sample):
+    stream, params, spec, _ = sample
+    count = struct.unpack_from("<I", stream)[0]
+    head = 4 + 5 * count
+    for position in range(head):  # the piece count, a mode, or a size that no longer adds up
+        damaged = bytearray(stream)
+        damaged[position] ^= 0x5A
+        with pytest.raises(CorruptCheckpointError):
+            _decode(bytes(damaged), params, spec)
+
+
+def test_damaged_payload_bytes_never_crash(sample):
+    """The container's checksums catch payload damage; the codec must still fail cleanly."""
+    stream, params, spec, _ = sample
+    rng = np.random.default_rng(0)
+    for position in rng.integers(0, len(stream), 150):
+        damaged = bytearray(stream)
+        damaged[position] ^= 1 << int(rng.integers(0, 8))
+        try:
+            tensor = _decode(bytes(damaged), params, spec)
+        except CorruptCheckpointError:
+            continue
+        assert tensor.dtype == spec.dtype and tuple(tensor.shape) == spec.shape
+
+
+def test_a_zstd_piece_claiming_a_huge_size_is_refused_before_allocating(sample):
+    stream, params, spec, _ = sample
+    count = struct.unpack_from("<I", stream)[0]
+    modes = stream[4 : 4 + count]
+    sizes = struct.unpack_from(f"<{count}I", stream, 4 + count)
+    index = modes.index(1)
+    start = 4 + 5 * count + sum(sizes[:index])
+    frame = stream[start : start + sizes[index]]
+    # a frame header with an 8-byte content size field claiming 2**60 bytes
+    forged = b"\x28\xb5\x2f\xfd" + bytes([0xC0]) + (1 << 60).to_bytes(8, "little") + frame[6:]
+    pieces = [stream[4 + 5 * count + sum(sizes[:i]) : 4 + 5 * count + sum(sizes[: i + 1])] for i in range(count)]
+    pieces[index] = forged
+    new_sizes = [len(p) for p in pieces]
+    rebuilt = stream[:4] + modes + struct.pack(f"<{count}I", *new_sizes) + b"".join(pieces)
+    with pytest.raises(CorruptCheckpointError, match="claims"):
+        _decode(rebuilt, params, spec)
+
+
+def test_unknown_piece_modes_and_bad_bool_bytes_are_refused():
+    tensor = torch.ones(5000, dtype=torch.bool)
+    stream, params, spec = _encode(SMALL_CHUNKS, tensor)
+    damaged = bytearray(stream)
+    damaged[4] = 7
+    with pytest.raises(CorruptCheckpointError, match="mode"):
+        _decode(bytes(damaged), params, spec)
+    raw_twos = torch.full((5000,), 2, dtype=torch.uint8)
+    stream, params, _ = _encode(ByteGroupingCodec(), raw_twos)
+    with pytest.raises(CorruptCheckpointError, match="bool"):
+        ByteGroupingCodec().decode([stream], params, TensorSpec(torch.bool, (5000,)))
+
+
+# --- the format is pinned by golden files ------------------------------------------------
+
+
+def _golden_files() -> list[Path]:
+    return sorted((GOLDEN / "byte_grouping").glob("*.json"))
+
+
+def test_golden_files_exist():
+    assert len(_golden_files()) >= 12
+
+
+@pytest.mark.parametrize("path", _golden_files(), ids=lambda p: p.stem)
+def test_golden_encodings_still_decode(path):
+    doc = json.loads(path.read_text())
+    spec = TensorSpec(dtype_from_name(doc["dtype"]), tuple(doc["shape"]))
+    codec = get_codec(doc["codec"])
+    decoded = codec.decode([base64.b64decode(s) for s in doc["streams"]], doc["params"], spec)
+    assert decoded.dtype == spec.dtype and tuple(decoded.shape) == spec.shape
+    assert _bits(decoded) == base64.b64decode(doc["expected"])
