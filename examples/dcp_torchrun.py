@@ -102,6 +102,8 @@ def main() -> None:
             else:
                 pending = dcp.async_save(state, storage_writer=writer, planner=InkSavePlanner())
                 (pending.upload_completion if hasattr(pending, "upload_completion") else pending).result()
+            # DCP's own format, for the size comparison.
+            dcp.save(state, checkpoint_id=str(out / f"{mode}-default"))
             train(model, optimizer, args.save_at, args.steps)
             report[mode] = {"shard": writer.last_shard, **writer.last_info, "final_loss": evaluate(model)}
         else:
@@ -119,7 +121,9 @@ def main() -> None:
     if rank == 0 and args.phase == "resume":
         saved = json.loads((out / "save-rank0.json").read_text())
         for mode in args.modes.split(","):
-            print(f"{mode}: uninterrupted {saved[mode]['final_loss']:.6f}, "
+            ours = sum(p.stat().st_size for p in (out / f"{mode}-step-{args.save_at}").iterdir())
+            default = sum(p.stat().st_size for p in (out / f"{mode}-default").iterdir())
+            print(f"{mode}: stored {ours} B (DCP default {default} B); uninterrupted {saved[mode]['final_loss']:.6f}, "
                   f"resumed {report[mode]['final_loss']:.6f}")
     dist.destroy_process_group()
 

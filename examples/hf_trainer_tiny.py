@@ -39,7 +39,7 @@ CONTEXT = 32
 class SourceBytes(torch.utils.data.Dataset):
     """Fixed windows of a standard-library source file, as byte tokens."""
 
-    def __init__(self, windows: int = 96) -> None:
+    def __init__(self, windows: int = 48) -> None:
         text = Path(json.__file__).with_name("decoder.py").read_bytes()
         ids = torch.tensor(list(text[: windows * CONTEXT]), dtype=torch.int64)
         self.windows = ids.reshape(windows, CONTEXT)
@@ -69,10 +69,10 @@ def run(out: Path, steps: int = 12, stop_at: Optional[int] = None, resume: Optio
     checkpoint folder or ``"last"``); return a summary. ``default_trainer=True`` uses the
     plain ``Trainer`` (for size comparisons)."""
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=CONTEXT, n_embd=64,
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=CONTEXT, n_embd=32,
                                        n_layer=2, n_head=2))
     args = TrainingArguments(
-        str(out), max_steps=steps, per_device_train_batch_size=16, learning_rate=3e-3,
+        str(out), max_steps=steps, per_device_train_batch_size=8, learning_rate=3e-3,
         save_strategy="steps", save_steps=3, save_total_limit=2, logging_steps=1,
         report_to=[], use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0,
     )
@@ -84,7 +84,7 @@ def run(out: Path, steps: int = 12, stop_at: Optional[int] = None, resume: Optio
         trainer = InkTrainer(model=model, args=args, train_dataset=data, callbacks=callbacks,
                              ink_policy=policy, ink_full_every=4)
     trainer.train(resume_from_checkpoint=True if resume == "last" else resume)
-    batch = data.windows[:32]
+    batch = data.windows[:16]
     model.eval()
     with torch.no_grad():
         loss = model(input_ids=batch, labels=batch).loss.item()

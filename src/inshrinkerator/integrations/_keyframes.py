@@ -33,19 +33,13 @@ from ..info import SaveInfo
 from ..policies import Policy, resolve_policy
 from ..serialize import read_state, reference_map, write_state
 from ..single_file import open_container
+from ..store import default_policy_name
 
 __all__ = ["KeyframeStore", "KEYFRAME_DIR", "default_policy_name"]
 
 #: The hidden folder, beside the checkpoints, that holds the keyframes.
 KEYFRAME_DIR = ".ink-keyframes"
 _META_KEY = "keyframe"
-
-
-def default_policy_name() -> str:
-    """The manager's default policy when it is registered, else lossless."""
-    from .. import policies
-
-    return "dynaquant" if "dynaquant" in policies.POLICY_NAMES else "lossless"
 
 
 def _write_atomically(path: Path, write: Callable[[IO[bytes]], Any]) -> Any:

@@ -1,0 +1,124 @@
+"""torch.distributed.checkpoint: compressed shards per rank, JSON metadata, resume on torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import inshrinkerator as ink
+from inshrinkerator.integrations.dcp import (
+    METADATA_FILE,
+    InkLoadPlanner,
+    InkSavePlanner,
+    InkStorageReader,
+    InkStorageWriter,
+)
+from tests.helpers import assert_same
+from tests.integrations.conftest import EXAMPLES, policies_under_test, tolerance
+
+
+def _state() -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model(torch.randn(8, 32)).sum().backward()
+    optimizer.step()
+    return {"model": model.state_dict(), "optim": optimizer.state_dict(),
+            "meta": {"step": 7, "name": "run", "ratio": 0.5, "tags": ["a", "b"], "none": None}}
+
+
+def _blank(state: dict) -> dict:
+    """The same structure with zeroed tensors and changed plain values (what dcp.load fills)."""
+    if isinstance(state, dict):
+        return type(state)((key, _blank(value)) for key, value in state.items())
+    if isinstance(state, list):
+        return [_blank(value) for value in state]
+    if isinstance(state, torch.Tensor):
+        return torch.zeros_like(state)
+    return None if not isinstance(state, (int, float)) or isinstance(state, bool) else -1
+
+
+@pytest.mark.parametrize("policy", policies_under_test())
+def test_single_process_round_trip(tmp_path: Path, policy: str) -> None:
+    state = _state()
+    dcp.save(state, storage_writer=InkStorageWriter(tmp_path, policy=policy), planner=InkSavePlanner(),
+             no_dist=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [METADATA_FILE, "__0.ink"]
+    json.loads((tmp_path / METADATA_FILE).read_text())  # plain JSON, no pickle
+    restored = _blank(state)
+    reader = InkStorageReader(tmp_path)
+    dcp.load(restored, storage_reader=reader, planner=InkLoadPlanner(), no_dist=True)
+    assert reader.shards_read == ["__0.ink"]
+    assert restored["meta"] == state["meta"]
+    assert restored["optim"]["param_groups"] == state["optim"]["param_groups"]
+    if policy == "lossless":
+        assert_same(restored["model"], state["model"])
+    for key, tensor in state["model"].items():
+        error = (restored["model"][key] - tensor).norm() / tensor.norm().clamp_min(1e-12)
+        assert error <= tolerance(policy), key
+
+
+def test_the_pickling_default_planner_is_refused(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with pytest.raises(CheckpointException) as caught:  # DCP collects each rank's error
+        dcp.save(_state(), storage_writer=InkStorageWriter(tmp_path, policy="lossless"), no_dist=True)
+    (failure,) = caught.value.failures.values()
+    error = failure[0] if isinstance(failure, tuple) else failure
+    assert isinstance(error, TypeError) and "InkSavePlanner" in str(error)
+    assert not (tmp_path / METADATA_FILE).exists()  # nothing committed
+
+
+def test_an_unfinished_or_foreign_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ink.CheckpointNotFoundError, match="no finished"):
+        InkStorageReader(tmp_path).read_metadata()
+    (tmp_path / METADATA_FILE).write_bytes(b"\x80\x04K\x01.")  # a pickle is not metadata
+    with pytest.raises(ink.FormatError, match="JSON"):
+        InkStorageReader(tmp_path).read_metadata()
+    (tmp_path / METADATA_FILE).write_text(json.dumps(
+        {"format": "inshrinkerator-dcp", "version": 1, "items": {}, "planner_data": {},
+         "storage": {"w@": {"file": "../../etc/passwd", "key": "w@"}}}))
+    with pytest.raises(ink.FormatError, match="storage entry"):
+        InkStorageReader(tmp_path).read_metadata()
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="torchrun with gloo")
+def test_torchrun_two_ranks_each_write_and_restore_their_own_shard(tmp_path: Path) -> None:
+    """DDP (replicated) and FSDP2 (sharded, saved with dcp.async_save), 2 ranks on gloo;
+    the resume runs in new processes and must end where the uninterrupted run ended."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                str(EXAMPLES / "dcp_torchrun.py"), "--out", str(tmp_path), "--policy", "lossless"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for phase in ("save", "resume"):
+        done = subprocess.run([*torchrun, "--phase", phase], capture_output=True, text=True,
+                              timeout=240, env=env, check=False)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    print(done.stdout.strip())
+    for rank in (0, 1):
+        saved = json.loads((tmp_path / f"save-rank{rank}.json").read_text())
+        resumed = json.loads((tmp_path / f"resume-rank{rank}.json").read_text())
+        for mode in ("ddp", "fsdp"):
+            assert saved[mode]["shard"] == f"__{rank}.ink"
+            assert (tmp_path / f"{mode}-step-6" / f"__{rank}.ink").stat().st_size > 0
+            assert resumed[mode]["step"] == 6
+            loss, reference = resumed[mode]["final_loss"], saved[mode]["final_loss"]
+            assert abs(loss - reference) <= tolerance("lossless") * reference
+        for mode in ("ddp", "fsdp"):
+            assert f"__{rank}.ink" in resumed[mode]["shards_read"]
+    # FSDP2: each weight's row-shard lives in the file of the rank that owned it.
+    storage = json.loads((tmp_path / "fsdp-step-6" / METADATA_FILE).read_text())["storage"]
+    weights = {key: place["file"] for key, place in storage.items() if key.startswith("model.")}
+    assert weights and set(weights.values()) == {"__0.ink", "__1.ink"}
+    for key, file in weights.items():
+        first_offset = int(key.split("@")[1].split(",")[0])
+        assert file == ("__0.ink" if first_offset == 0 else "__1.ink"), key
+    for mode in ("ddp", "fsdp"):
+        names = sorted(p.name for p in (tmp_path / f"{mode}-step-6").iterdir())
+        assert names == [METADATA_FILE, "__0.ink", "__1.ink"]

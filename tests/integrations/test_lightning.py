@@ -1,0 +1,98 @@
+"""Lightning: InkCheckpointIO with ModelCheckpoint (top-k deletions), AsyncCheckpointIO, resume."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("lightning")
+pytest.importorskip("sklearn")
+
+import inshrinkerator as ink  # noqa: E402
+from inshrinkerator.integrations.lightning import InkCheckpointIO  # noqa: E402
+from tests.helpers import assert_same  # noqa: E402
+from tests.integrations.test_keyframes import _state
+from tests.integrations.conftest import EXAMPLES, load_example, policies_under_test, tolerance  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The reference run, with Lightning's own torch.save checkpoints (saving never changes
+    the training, so one reference serves every policy)."""
+    return load_example("lightning_digits").run(tmp_path_factory.mktemp("default"), epochs=4, default_io=True)
+
+
+def _resume_in_new_process(out: Path, policy: str) -> dict:
+    finished = subprocess.run(
+        [sys.executable, str(EXAMPLES / "lightning_digits.py"), "--out", str(out),
+         "--epochs", "4", "--resume", "last", "--policy", policy],
+        capture_output=True, text=True, timeout=180, check=False,
+    )
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    return json.loads(finished.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("policy", policies_under_test())
+def test_resume_ends_where_the_uninterrupted_run_ends(tmp_path: Path, policy: str, uninterrupted: dict) -> None:
+    example = load_example("lightning_digits")
+    first = example.run(tmp_path, epochs=2, policy=policy, use_async=policy == "lossless")
+    assert first["global_step"] < uninterrupted["global_step"]
+    assert len(first["checkpoints"]) == 2  # save_top_k deleted the older ones
+    if policy == "lossless":  # a real restart; lossy policies resume in this process (time budget)
+        resumed = _resume_in_new_process(tmp_path, policy)
+    else:
+        resumed = example.run(tmp_path, epochs=4, resume="last", policy=policy)
+    assert resumed["global_step"] == uninterrupted["global_step"]
+    assert abs(resumed["loss"] - uninterrupted["loss"]) <= tolerance(policy) * uninterrupted["loss"]
+    # Every checkpoint Lightning kept restores, whatever top-k deleted.
+    io = InkCheckpointIO()
+    for name in resumed["checkpoints"]:
+        restored = io.load_checkpoint(tmp_path / name)
+        assert "state_dict" in restored and "optimizer_states" in restored
+    print(f"lightning digits [{policy}]: {len(resumed['checkpoints'])} checkpoints + keyframes "
+          f"{resumed['stored_bytes']} B; torch.save {uninterrupted['stored_bytes']} B")
+
+
+def test_removed_checkpoints_never_orphan_the_kept_ones(tmp_path: Path) -> None:
+    io = InkCheckpointIO(policy="lossless", full_every=3)
+    states = {step: _state(step) for step in range(1, 8)}
+    for step, state in states.items():
+        io.save_checkpoint(state, tmp_path / f"step={step}.ckpt")
+    for step in (1, 2, 4, 5):  # keyframes and deltas alike
+        io.remove_checkpoint(tmp_path / f"step={step}.ckpt")
+    fresh = InkCheckpointIO()
+    for step in (3, 6, 7):
+        assert_same(fresh.load_checkpoint(tmp_path / f"step={step}.ckpt"), states[step])
+    assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == ["step=3.ckpt", "step=6.ckpt", "step=7.ckpt"]
+
+
+def test_a_checkpoint_removed_before_its_queued_save_ran_is_deleted_when_it_lands(tmp_path: Path) -> None:
+    io = InkCheckpointIO(policy="lossless")
+    io.remove_checkpoint(tmp_path / "late.ckpt")  # AsyncCheckpointIO: removal overtook the save
+    io.save_checkpoint(_state(0), tmp_path / "late.ckpt")
+    assert not (tmp_path / "late.ckpt").exists()
+    io.save_checkpoint(_state(0), tmp_path / "late.ckpt")  # a later save is kept
+    assert (tmp_path / "late.ckpt").exists()
+
+
+def test_load_moves_to_map_location_and_refuses_missing_files(tmp_path: Path) -> None:
+    io = InkCheckpointIO(policy="lossless")
+    io.save_checkpoint({"state_dict": {"w": torch.ones(3)}, "global_step": 4}, tmp_path / "a.ckpt")
+    loaded = io.load_checkpoint(tmp_path / "a.ckpt", map_location="cpu")
+    assert loaded["global_step"] == 4 and loaded["state_dict"]["w"].device.type == "cpu"
+    with pytest.raises(FileNotFoundError):
+        io.load_checkpoint(tmp_path / "missing.ckpt")
+    with pytest.raises(TypeError):
+        io.save_checkpoint({}, tmp_path / "b.ckpt", storage_options={"x": 1})
+
+
+def test_a_value_that_cannot_be_stored_names_its_key(tmp_path: Path) -> None:
+    with pytest.raises(ink.UnsupportedStateError, match="hyper_parameters/fn"):
+        InkCheckpointIO(policy="lossless").save_checkpoint(
+            {"hyper_parameters": {"fn": object()}}, tmp_path / "bad.ckpt"
+        )
