@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from inshrinkerator.errors import FormatError, UnsupportedStateError
@@ -103,7 +103,12 @@ states = st.recursive(plain | tensors, _containers, max_leaves=25)
 @PROPERTY
 @given(states)
 def test_any_state_round_trips_exactly(state: Any) -> None:
-    assert_exact(state, through_json(state))
+    try:
+        back = through_json(state)
+    except UnsupportedStateError as exc:  # e.g. tensors under keys 1 and "1" of one dict
+        assert "rename one" in str(exc)
+        assume(False)
+    assert_exact(state, back)
 
 
 @PROPERTY
@@ -294,3 +299,12 @@ def test_each_kind_of_bad_node_is_a_format_error(node: Any) -> None:
     with pytest.raises(FormatError):
         unflatten({"d": [["k", node]]}, [torch.zeros(1)])
     assert ("torch._dynamo" in sys.modules) == was_loaded  # names from a file import nothing
+
+
+def test_tensor_names_that_would_collide_are_refused() -> None:
+    for state in ({1: torch.zeros(1), "1": torch.ones(1)}, {"a/b": torch.zeros(2), "a": {"b": torch.ones(2)}},
+                  {None: torch.zeros(1), "None": torch.ones(1)}):
+        with pytest.raises(UnsupportedStateError, match="rename one"):
+            flatten(state)
+    shared = torch.zeros(2)  # one tensor under two colliding names is fine: it is stored once
+    assert len(flatten({1: shared, "1": shared, "x": {1: 0, "1": 1}}).tensors) == 1

@@ -62,6 +62,8 @@ __all__ = [
     "format_key_path",
 ]
 
+#: The keys (dicts) and indices (lists, tuples) leading to a value; keys other than str
+#: and int appear as their ``str()``.
 KeyPath = tuple[Union[str, int], ...]
 
 # Real states are a handful of levels deep; the limit keeps both directions far
@@ -97,7 +99,11 @@ class FlatState:
 
 
 def format_key_path(path: KeyPath) -> str:
-    """Render a key path for messages, e.g. ``optimizer/state/0/exp_avg``."""
+    """Render a key path, e.g. ``optimizer/state/0/exp_avg``.
+
+    Within one flattened state the tensors' rendered paths are distinct (see :func:`flatten`),
+    so they can name tensors, e.g. to pair them with a reference state's.
+    """
     return "/".join(str(part) for part in path) if path else "<root>"
 
 
@@ -263,11 +269,21 @@ def flatten(state: Any) -> FlatState:
     """Split ``state`` into a JSON-safe skeleton and its distinct tensors.
 
     Raises:
-        UnsupportedStateError: a leaf or key cannot be stored exactly; the message names its
-            key path.
+        UnsupportedStateError: a leaf or key cannot be stored exactly, or two distinct tensors
+            have key paths that render alike; the message names the key path.
     """
     flattener = _Flattener()
     skeleton = flattener.visit(state, ())
+    named: dict[str, KeyPath] = {}
+    for leaf in flattener.tensors:
+        name = format_key_path(leaf.path)
+        other = named.setdefault(name, leaf.path)
+        if other is not leaf.path:
+            raise UnsupportedStateError(
+                f"two different tensors are both named {name!r} (key paths {other!r} and "
+                f"{leaf.path!r}): keys like 1 and '1', or 'a/b' and a -> b, cannot name tensors "
+                "apart; rename one of them"
+            )
     return FlatState(skeleton=skeleton, tensors=flattener.tensors)
 
 
