@@ -18,24 +18,28 @@ import torch
 from ..errors import BrokenChainError, FormatError
 from .base import Codec, Encoded, TensorSpec
 from .byte_grouping import ByteGroupingCodec
-from .raw import tensor_bytes
+from .raw import tensor_byte_view
 from .registry import get_codec, register_codec
 
-__all__ = ["XorDeltaCodec", "reference_checksum"]
+__all__ = ["XorDeltaCodec", "reference_checksum", "xor_bits"]
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def reference_checksum(reference: torch.Tensor) -> int:
     """CRC-32 of the reference's bytes: identifies the exact tensor a delta was taken against."""
-    return zlib.crc32(tensor_bytes(reference))
+    return zlib.crc32(tensor_byte_view(reference))
 
 
-def _xor(tensor: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
-    view = _INT_VIEW[tensor.element_size()]
-    a = tensor.detach().reshape(-1).contiguous().cpu().view(view)
-    b = reference.detach().reshape(-1).contiguous().cpu().view(view)
-    return (a ^ b).view(tensor.dtype).reshape(tensor.shape)
+def xor_bits(tensor: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """A new CPU tensor of ``tensor``'s dtype and shape holding ``tensor`` XOR ``reference`` bitwise."""
+    if tensor.numel() == 0:
+        return torch.empty(tensor.shape, dtype=tensor.dtype)
+    a = torch.from_numpy(tensor_byte_view(tensor))
+    b = torch.from_numpy(tensor_byte_view(reference))
+    width = _INT_VIEW[8 if a.numel() % 8 == 0 else 1]  # wide words when the length allows
+    out = torch.bitwise_xor(a.view(width), b.view(width)).view(torch.uint8)
+    return out.view(tensor.dtype).reshape(tensor.shape)
 
 
 @register_codec
@@ -47,9 +51,12 @@ class XorDeltaCodec(Codec):
 
     def __init__(self, inner: Optional[dict[str, Any]] = None) -> None:
         self.inner = inner if inner is not None else ByteGroupingCodec().get_config()
-        self._inner = get_codec(self.inner)
-        if not self._inner.lossless:
-            raise ValueError("xor_delta needs a lossless inner codec")
+        try:
+            self._inner = get_codec(self.inner)
+        except FormatError as exc:
+            raise ValueError(str(exc)) from None
+        if not self._inner.lossless or self._inner.uses_reference:
+            raise ValueError("xor_delta needs a lossless inner codec that takes no reference")
 
     def _check_reference(self, spec: TensorSpec, reference: Optional[torch.Tensor]) -> torch.Tensor:
         if reference is None:
@@ -63,7 +70,7 @@ class XorDeltaCodec(Codec):
 
     def encode(self, tensor: torch.Tensor, reference: Optional[torch.Tensor] = None) -> Encoded:
         reference = self._check_reference(TensorSpec.of(tensor), reference)
-        inner = self._inner.encode(_xor(tensor, reference))
+        inner = self._inner.encode(xor_bits(tensor, reference))
         return Encoded(
             streams=inner.streams,
             params={"inner": inner.params, "reference_crc32": reference_checksum(reference)},
@@ -77,7 +84,7 @@ class XorDeltaCodec(Codec):
         reference: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         reference = self._check_reference(spec, reference)
-        inner_params = params.get("inner")
+        inner_params = params.get("inner") if isinstance(params, dict) else None
         if not isinstance(inner_params, dict):
             raise FormatError("xor_delta: params lack the inner codec's params")
         if params.get("reference_crc32") != reference_checksum(reference):
@@ -85,4 +92,4 @@ class XorDeltaCodec(Codec):
                 "the reference tensor differs from the one this delta was taken against "
                 "(checksum mismatch): pass the same base that was used when saving"
             )
-        return _xor(self._inner.decode(streams, inner_params, spec), reference)
+        return xor_bits(self._inner.decode(streams, inner_params, spec), reference)
