@@ -16,7 +16,7 @@ from .support import state_for
 
 #: Saves of a child that is never killed (a safety stop).
 MAX_SAVES = 5000
-NUMEL = 1 << 14
+NUMEL = 1 << 12
 FULL_EVERY = 4
 KEEP_LAST = 5
 
@@ -28,7 +28,7 @@ def expected_state(step: int) -> dict[str, Any]:
 def save_until_killed(url: str, async_save: bool, saves_done: Any) -> None:
     """Open the run, continue it from its latest step, count every ``save`` that returned."""
     torch.set_num_threads(1)
-    mgr = CheckpointManager(url, full_every=FULL_EVERY, keep_last=KEEP_LAST, async_save=async_save)
+    mgr = CheckpointManager(url, full_every=FULL_EVERY, keep_last=KEEP_LAST, async_save=async_save, policy="lossless")
     latest = mgr.latest_step()
     step = 0 if latest is None else latest + 1
     for _ in range(MAX_SAVES):

@@ -16,7 +16,7 @@ from .support import state_for
 def run_of_two_chains(tmp_path):
     """Steps 0..5 with full_every=3: chains [0, 1, 2] and [3, 4, 5]."""
     run = tmp_path / "run"
-    with CheckpointManager(run, full_every=3) as mgr:
+    with CheckpointManager(run, full_every=3, policy="lossless") as mgr:
         for step in range(6):
             mgr.save(step, state_for(step))
     return run

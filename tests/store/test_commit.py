@@ -20,7 +20,7 @@ def _crash_leftovers(storage) -> list[str]:
 
 
 def test_uncommitted_files_are_not_steps_and_the_next_writer_removes_them(run_url: str) -> None:
-    with CheckpointManager(run_url) as mgr:
+    with CheckpointManager(run_url, policy="lossless") as mgr:
         mgr.save(1, state_for(1))
         mgr.save(2, state_for(2))
     storage = open_storage(run_url)
@@ -30,7 +30,7 @@ def test_uncommitted_files_are_not_steps_and_the_next_writer_removes_them(run_ur
     assert_same(reader.load(), state_for(2))
     assert set(leftovers) <= set(storage.list_names()), "a reader must not clean up a writer's files"
     assert verify_run(run_url) == []
-    with CheckpointManager(run_url) as writer:
+    with CheckpointManager(run_url, policy="lossless") as writer:
         writer.save(3, state_for(3))
     names = storage.list_names()
     assert not set(leftovers) & set(names)
@@ -40,7 +40,7 @@ def test_uncommitted_files_are_not_steps_and_the_next_writer_removes_them(run_ur
 
 def test_cleanup_keeps_data_when_a_manifest_is_unreadable(tmp_path) -> None:
     run = tmp_path / "run"
-    with CheckpointManager(run) as mgr:
+    with CheckpointManager(run, policy="lossless") as mgr:
         mgr.save(1, state_for(1))
     storage = open_storage(run)
     orphan = data_name(7, "0badf00d")
@@ -52,7 +52,7 @@ def test_cleanup_keeps_data_when_a_manifest_is_unreadable(tmp_path) -> None:
 
 def test_a_manifest_without_its_data_is_reported_not_hidden(tmp_path) -> None:
     run = tmp_path / "run"
-    with CheckpointManager(run) as mgr:
+    with CheckpointManager(run, policy="lossless") as mgr:
         mgr.save(1, state_for(1))
         mgr.save(2, state_for(2))
     for path in run.glob("step-0000000002-*.ink"):

@@ -13,7 +13,7 @@ from .support import state_for
 
 
 def test_describe_lists_every_step_with_sizes_and_kinds(run_url: str) -> None:
-    with CheckpointManager(run_url, full_every=2) as mgr:
+    with CheckpointManager(run_url, full_every=2, policy="lossless") as mgr:
         infos = [mgr.save(step, state_for(step)) for step in (5, 10, 15)]
     entries = describe_run(run_url)
     assert [(e.step, e.kind, e.base_step) for e in entries] == [(5, "full", None), (10, "delta", 5), (15, "full", None)]
@@ -26,7 +26,7 @@ def test_describe_lists_every_step_with_sizes_and_kinds(run_url: str) -> None:
 
 def test_is_run_tells_runs_from_everything_else(tmp_path, run_url: str) -> None:
     assert not is_run(run_url)
-    with CheckpointManager(run_url) as mgr:
+    with CheckpointManager(run_url, policy="lossless") as mgr:
         mgr.save(1, state_for(1))
     assert is_run(run_url)
     ink.save(state_for(1), tmp_path / "single.ink")
@@ -44,7 +44,7 @@ def test_describe_and_verify_refuse_a_non_run(tmp_path) -> None:
 
 def test_verify_reports_each_damaged_step_once_per_line(tmp_path) -> None:
     run = tmp_path / "run"
-    with CheckpointManager(run, full_every=10) as mgr:
+    with CheckpointManager(run, full_every=10, policy="lossless") as mgr:
         for step in range(5):
             mgr.save(step, state_for(step))
     assert verify_run(str(run)) == []

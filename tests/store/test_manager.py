@@ -37,22 +37,40 @@ def test_save_and_load_every_step_exactly(run_url: str) -> None:
 
 def test_a_realistic_training_state_round_trips(tmp_path) -> None:
     state = training_state(steps=2)
-    with CheckpointManager(tmp_path / "run") as mgr:
+    with CheckpointManager(tmp_path / "run", policy="lossless") as mgr:
         mgr.save(1, state)
         assert_same(mgr.load(1), state)
+
+
+def test_the_default_policy_works_end_to_end(tmp_path) -> None:
+    state = training_state(steps=2)
+    with CheckpointManager(tmp_path / "run") as mgr:
         assert mgr.policy.name == manager_module.default_policy_name()
+        mgr.save(1, state)
+        mgr.save(2, state)
+        loaded = mgr.load(2)
+    # Whatever the default policy keeps lossy, the structure and everything that is not a
+    # floating tensor come back exactly.
+    assert_same(loaded["step"], state["step"])
+    assert_same(loaded["rng"], state["rng"])
+    assert_same(loaded["config"], state["config"])
+    for key, tensor in state["model"].items():
+        assert loaded["model"][key].dtype == tensor.dtype and loaded["model"][key].shape == tensor.shape
+        if not tensor.is_floating_point():
+            assert torch.equal(loaded["model"][key], tensor)
+    assert verify_run(str(tmp_path / "run")) == []
 
 
 def test_stored_bytes_count_data_file_and_manifest(tmp_path) -> None:
     run = tmp_path / "run"
-    with CheckpointManager(run) as mgr:
+    with CheckpointManager(run, policy="lossless") as mgr:
         info = mgr.save(5, state_for(5))
     files = [p for p in run.iterdir() if p.name.startswith("step-")]
     assert info.stored_bytes == sum(p.stat().st_size for p in files)
 
 
 def test_full_every_one_writes_only_full_checkpoints(tmp_path) -> None:
-    with CheckpointManager(tmp_path / "run", full_every=1) as mgr:
+    with CheckpointManager(tmp_path / "run", full_every=1, policy="lossless") as mgr:
         kinds = [mgr.save(step, state_for(step)).kind for step in range(4)]
     assert kinds == ["full"] * 4
 
@@ -72,7 +90,7 @@ def test_default_policy_prefers_dynaquant_once_registered(monkeypatch) -> None:
 
 
 def test_steps_only_grow(run_url: str) -> None:
-    with CheckpointManager(run_url) as mgr:
+    with CheckpointManager(run_url, policy="lossless") as mgr:
         mgr.save(10, state_for(10))
         with pytest.raises(ValueError, match="latest step is 10"):
             mgr.save(10, state_for(10))
@@ -82,7 +100,7 @@ def test_steps_only_grow(run_url: str) -> None:
             with pytest.raises((TypeError, ValueError)):
                 mgr.save(bad, state_for(0))
         assert mgr.steps() == [10]
-    with CheckpointManager(run_url) as reopened:
+    with CheckpointManager(run_url, policy="lossless") as reopened:
         with pytest.raises(ValueError):
             reopened.save(10, state_for(10))
         reopened.save(11, state_for(11))
@@ -90,7 +108,7 @@ def test_steps_only_grow(run_url: str) -> None:
 
 
 def test_empty_and_missing_runs(tmp_path) -> None:
-    mgr = CheckpointManager(tmp_path / "nothing-here")
+    mgr = CheckpointManager(tmp_path / "nothing-here", policy="lossless")
     assert mgr.steps() == [] and mgr.latest_step() is None
     with pytest.raises(CheckpointNotFoundError, match="no checkpoint yet"):
         mgr.load()
@@ -115,7 +133,7 @@ def test_bad_options_are_refused(tmp_path) -> None:
 
 
 def test_unsupported_state_is_refused_before_anything_is_written(tmp_path) -> None:
-    with CheckpointManager(tmp_path / "run") as mgr:
+    with CheckpointManager(tmp_path / "run", policy="lossless") as mgr:
         with pytest.raises(UnsupportedStateError, match="lambda|function"):
             mgr.save(1, {"f": lambda: 0})
         assert mgr.steps() == []
@@ -125,11 +143,11 @@ def test_unsupported_state_is_refused_before_anything_is_written(tmp_path) -> No
 
 def test_missing_base_is_a_broken_chain(tmp_path) -> None:
     run = tmp_path / "run"
-    with CheckpointManager(run, full_every=5) as mgr:
+    with CheckpointManager(run, full_every=5, policy="lossless") as mgr:
         for step in range(3):
             mgr.save(step, state_for(step))
     (run / manifest_name(1)).unlink()
-    mgr = CheckpointManager(run)
+    mgr = CheckpointManager(run, policy="lossless")
     assert_same(mgr.load(0), state_for(0))
     with pytest.raises(BrokenChainError, match="step 2 is a delta against step 1"):
         mgr.load(2)
@@ -139,10 +157,10 @@ def test_missing_base_is_a_broken_chain(tmp_path) -> None:
 
 
 def test_reopened_run_continues_its_chain(run_url: str) -> None:
-    with CheckpointManager(run_url, full_every=4) as mgr:
+    with CheckpointManager(run_url, full_every=4, policy="lossless") as mgr:
         mgr.save(0, state_for(0))
         mgr.save(1, state_for(1))
-    with CheckpointManager(run_url, full_every=4) as mgr:
+    with CheckpointManager(run_url, full_every=4, policy="lossless") as mgr:
         kinds = [mgr.save(step, state_for(step)).kind for step in (2, 3, 4)]
         assert kinds == ["delta", "delta", "full"]
         for step in range(5):
@@ -187,7 +205,7 @@ def test_watch_reaches_policies_that_want_it(tmp_path) -> None:
 
 
 def test_closed_manager_refuses_work(tmp_path) -> None:
-    mgr = CheckpointManager(tmp_path / "run")
+    mgr = CheckpointManager(tmp_path / "run", policy="lossless")
     mgr.close()
     mgr.close()
     with pytest.raises(ValueError, match="closed"):
@@ -198,7 +216,7 @@ def test_closed_manager_refuses_work(tmp_path) -> None:
 
 
 def test_async_save_returns_after_snapshot_and_commits_in_background(run_url: str) -> None:
-    with CheckpointManager(run_url, async_save=True, full_every=3) as mgr:
+    with CheckpointManager(run_url, async_save=True, full_every=3, policy="lossless") as mgr:
         for step in range(5):
             info = mgr.save(step, state_for(step))
             assert info.stored_bytes == 0 and info.raw_bytes > 0
@@ -212,7 +230,7 @@ def test_async_save_returns_after_snapshot_and_commits_in_background(run_url: st
 
 def test_async_snapshot_is_taken_before_save_returns(tmp_path) -> None:
     tensor = torch.zeros(1 << 16)
-    with CheckpointManager(tmp_path / "run", async_save=True) as mgr:
+    with CheckpointManager(tmp_path / "run", async_save=True, policy="lossless") as mgr:
         mgr.save(1, {"t": tensor})
         tensor.fill_(7.0)  # the training loop moves on immediately
         assert torch.equal(mgr.load(1)["t"], torch.zeros(1 << 16))
@@ -224,7 +242,7 @@ class _Boom(RuntimeError):
 
 def test_async_failure_is_reraised_chained_by_the_next_call(tmp_path, monkeypatch) -> None:
     run = tmp_path / "run"
-    mgr = CheckpointManager(run, async_save=True)
+    mgr = CheckpointManager(run, async_save=True, policy="lossless")
     mgr.save(1, state_for(1))
     mgr.wait()
     gate = threading.Event()
@@ -253,7 +271,7 @@ def test_async_failure_is_reraised_by_wait_and_close(tmp_path, monkeypatch) -> N
         raise _Boom("no space")
 
     monkeypatch.setattr(manager_module, "write_state", failing_write_state)
-    mgr = CheckpointManager(tmp_path / "run", async_save=True)
+    mgr = CheckpointManager(tmp_path / "run", async_save=True, policy="lossless")
     mgr.save(1, state_for(1))
     with pytest.raises(AsyncSaveError) as caught:
         mgr.wait()
@@ -266,7 +284,7 @@ def test_async_failure_is_reraised_by_wait_and_close(tmp_path, monkeypatch) -> N
 
 def test_sync_failure_leaves_no_step_and_no_file(tmp_path, monkeypatch) -> None:
     run = tmp_path / "run"
-    mgr = CheckpointManager(run)
+    mgr = CheckpointManager(run, policy="lossless")
     mgr.save(1, state_for(1))
     before = sorted(p.name for p in run.iterdir())
 

@@ -46,7 +46,7 @@ def test_plan_keeps_the_newest_and_rebases_exactly_the_orphans(run, keep_last) -
 
 
 def test_retention_rebases_then_deletes_and_every_kept_step_restores(run_url: str) -> None:
-    with CheckpointManager(run_url, full_every=4, keep_last=3) as mgr:
+    with CheckpointManager(run_url, full_every=4, keep_last=3, policy="lossless") as mgr:
         for step in range(10):
             mgr.save(step, state_for(step))
             kept = list(range(max(0, step - 2), step + 1))
@@ -59,7 +59,7 @@ def test_retention_rebases_then_deletes_and_every_kept_step_restores(run_url: st
 
 
 def test_keep_last_one_writes_fulls_directly(tmp_path) -> None:
-    with CheckpointManager(tmp_path / "run", keep_last=1) as mgr:
+    with CheckpointManager(tmp_path / "run", keep_last=1, policy="lossless") as mgr:
         kinds = [mgr.save(step, state_for(step)).kind for step in range(4)]
         assert mgr.steps() == [3]
     assert kinds == ["full"] * 4
@@ -90,7 +90,7 @@ def test_rebase_keeps_lossy_reconstructions_bit_exact(tmp_path) -> None:
 
 def test_a_crash_between_rebase_and_deletion_loses_nothing(tmp_path, monkeypatch) -> None:
     run = tmp_path / "run"
-    with CheckpointManager(run, full_every=10) as mgr:
+    with CheckpointManager(run, full_every=10, policy="lossless") as mgr:
         for step in range(5):
             mgr.save(step, state_for(step))
     from inshrinkerator.store import retention
@@ -99,13 +99,13 @@ def test_a_crash_between_rebase_and_deletion_loses_nothing(tmp_path, monkeypatch
         raise KeyboardInterrupt("killed during retention")
 
     monkeypatch.setattr(retention, "delete_steps", crash)
-    mgr = CheckpointManager(run, full_every=10, keep_last=2)
+    mgr = CheckpointManager(run, full_every=10, keep_last=2, policy="lossless")
     with pytest.raises(KeyboardInterrupt):
         mgr.save(5, state_for(5))
     monkeypatch.undo()
     assert CheckpointManager(run).steps() == [0, 1, 2, 3, 4, 5]
     assert verify_run(str(run)) == []
-    with CheckpointManager(run, full_every=10, keep_last=2) as again:
+    with CheckpointManager(run, full_every=10, keep_last=2, policy="lossless") as again:
         again.save(6, state_for(6))
         assert again.steps() == [5, 6]
         assert_same(again.load(5), state_for(5))

@@ -64,7 +64,7 @@ def s3_run(s3_bucket: str) -> str:
 def test_save_load_retention_reopen_on_s3(s3_run: str, async_save: bool) -> None:
     assert not is_run(s3_run)
     assert isinstance(open_storage(s3_run), FsspecRunStorage)
-    with CheckpointManager(s3_run, full_every=3, keep_last=3, async_save=async_save) as mgr:
+    with CheckpointManager(s3_run, full_every=3, keep_last=3, async_save=async_save, policy="lossless") as mgr:
         for step in range(6):
             mgr.save(step, state_for(step))
         assert mgr.steps() == [3, 4, 5]
@@ -72,7 +72,7 @@ def test_save_load_retention_reopen_on_s3(s3_run: str, async_save: bool) -> None
             assert_same(mgr.load(step), state_for(step))
     s3fs.S3FileSystem.clear_instance_cache()  # a new process would start with nothing cached
     assert is_run(s3_run)
-    with CheckpointManager(s3_run, full_every=3, keep_last=3, async_save=async_save) as reopened:
+    with CheckpointManager(s3_run, full_every=3, keep_last=3, async_save=async_save, policy="lossless") as reopened:
         assert reopened.latest_step() == 5
         reopened.save(6, state_for(6))
         reopened.save(7, state_for(7))
@@ -86,14 +86,14 @@ def test_save_load_retention_reopen_on_s3(s3_run: str, async_save: bool) -> None
 
 
 def test_uncommitted_objects_are_invisible_and_cleaned_by_the_next_writer(s3_run: str) -> None:
-    with CheckpointManager(s3_run) as mgr:
+    with CheckpointManager(s3_run, policy="lossless") as mgr:
         mgr.save(1, state_for(1))
     storage = open_storage(s3_run)
     orphan = data_name(2, "deadbeef")
     storage.write_bytes(orphan, b"an upload whose manifest never came")
     assert CheckpointManager(s3_run).steps() == [1]
     assert orphan in storage.list_names()
-    with CheckpointManager(s3_run) as writer:
+    with CheckpointManager(s3_run, policy="lossless") as writer:
         writer.save(2, state_for(2))
     assert orphan not in storage.list_names()
     assert verify_run(s3_run) == []

@@ -49,7 +49,7 @@ class RunMachine(RuleBasedStateMachine):
 
     def _open(self, keep_last: Optional[int], full_every: int, async_save: bool) -> None:
         self.keep_last = keep_last
-        self.mgr = CheckpointManager(self.url, full_every=full_every, keep_last=keep_last, async_save=async_save)
+        self.mgr = CheckpointManager(self.url, full_every=full_every, keep_last=keep_last, async_save=async_save, policy="lossless")
 
     @initialize(keep_last=KEEP_LAST, full_every=FULL_EVERY, async_save=st.booleans())
     def start(self, keep_last: Optional[int], full_every: int, async_save: bool) -> None:
@@ -128,8 +128,8 @@ class RunMachine(RuleBasedStateMachine):
 
 
 RunMachine.TestCase.settings = settings(
-    max_examples=30,
-    stateful_step_count=25,
+    max_examples=20,
+    stateful_step_count=20,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
