@@ -121,7 +121,8 @@ def pack_codes(codes: torch.Tensor) -> PackedCodes:
     pieces = []
     for width in torch.unique(widths).tolist():
         if width:
-            pieces.append(_pack_fixed(groups[widths == width].long(), int(width)))
+            rows = torch.nonzero(widths == width).reshape(-1)
+            pieces.append(_pack_fixed(torch.index_select(groups, 0, rows).long(), int(width)))
     data = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.uint8, device=codes.device)
     return PackedCodes(count, widths.to(torch.uint8), data)
 
@@ -134,9 +135,8 @@ def unpack_codes(packed: PackedCodes) -> torch.Tensor:
     for width in torch.unique(widths).tolist():
         if not width:
             continue
-        selected = widths == width
-        rows = int(selected.sum())
-        size = rows * GROUP * int(width) // 8
-        groups[selected] = _unpack_fixed(packed.data[offset:offset + size], rows, int(width))
+        rows = torch.nonzero(widths == width).reshape(-1)
+        size = rows.numel() * GROUP * int(width) // 8
+        groups.index_copy_(0, rows, _unpack_fixed(packed.data[offset:offset + size], rows.numel(), int(width)))
         offset += size
     return groups.reshape(-1)[:packed.count]

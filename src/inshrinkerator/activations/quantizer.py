@@ -67,7 +67,7 @@ class QuantizedActivation:
         if self.sparse_mask is not None:
             nonzero = unpack_mask(self.sparse_mask, numel)
             codes = torch.zeros(numel, dtype=torch.int64, device=unsigned.device)
-            codes[nonzero] = _from_nonzero_unsigned(unsigned, self.signed)
+            codes.masked_scatter_(nonzero, _from_nonzero_unsigned(unsigned, self.signed))
         else:
             codes = _from_unsigned(unsigned, self.signed)
         return _reconstruct(codes, self.step, work).to(self.dtype).view(self.shape)
@@ -75,8 +75,8 @@ class QuantizedActivation:
 
 def _reconstruct(codes: torch.Tensor, step: float, work: torch.dtype) -> torch.Tensor:
     values = codes.to(work)
-    magnitude = (values.abs() - 0.5) * step
-    return magnitude.copysign_(values).masked_fill_(codes == 0, 0.0)
+    # (|k| - 1/2) * step with k's sign; sign(0) = 0 keeps zeros at zero
+    return (values.abs() - 0.5).mul_(torch.sign(values)).mul_(step)
 
 
 def _zigzag(codes: torch.Tensor) -> torch.Tensor:
@@ -134,7 +134,8 @@ def quantize(tensor: torch.Tensor, error_bound: float) -> Optional[QuantizedActi
     if peak / step >= _MAX_CODE - 2:
         return None
     code_dtype = torch.int32 if peak / step < (1 << 29) else torch.int64
-    codes = (flat.abs() / step).floor_().add_(1).copysign_(flat).masked_fill_(flat == 0, 0).to(code_dtype)
+    # sign() is 0 for zeros, so they land in bin 0 and every other value keeps its sign
+    codes = (flat.abs() / step).floor_().add_(1).mul_(torch.sign(flat)).to(code_dtype)
     if slack >= bound / 2:
         recon = _reconstruct(codes, step, work).to(tensor.dtype).to(work)
         if bool(((flat - recon).abs() > bound).any()):
@@ -145,7 +146,7 @@ def quantize(tensor: torch.Tensor, error_bound: float) -> Optional[QuantizedActi
     unsigned = _to_unsigned(codes, signed)
     if zero_fraction >= _SPARSE_MIN_ZEROS:
         nonzero = codes != 0
-        sparse = _to_nonzero_unsigned(codes[nonzero], signed)
+        sparse = _to_nonzero_unsigned(torch.masked_select(codes, nonzero), signed)
         if (codes.numel() + 7) // 8 + packed_size(sparse) < packed_size(unsigned):
             mask, unsigned = pack_mask(nonzero), sparse
     packed = pack_codes(unsigned)

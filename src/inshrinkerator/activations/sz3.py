@@ -74,7 +74,7 @@ class SZ3Activation:
         nonzero = unpack_mask(torch.from_numpy(packed.copy()), numel)
         tiny = torch.finfo(self.dtype).tiny
         out = torch.zeros(numel, dtype=self.dtype)
-        out[nonzero] = values.reshape(-1).clamp_min(tiny)
+        out.masked_scatter_(nonzero, values.reshape(-1).clamp_min(tiny))
         return out.view(self.shape)
 
 
@@ -103,7 +103,7 @@ def sz3_compress(tensor: torch.Tensor, error_bound: float, predictor: str = "nop
         nonzero = data.reshape(-1) != 0
         if not bool(nonzero.all()):
             zero_mask = zstandard.ZstdCompressor(level=1).compress(pack_mask(nonzero).numpy().tobytes())
-            values = data.reshape(-1)[nonzero]
+            values = torch.masked_select(data.reshape(-1), nonzero)
             if values.numel() == 0:
                 values = data.reshape(-1)[:1]  # SZ3 needs one value; the mask zeroes it again
     config = _szConfig()
