@@ -130,6 +130,9 @@ def decode_symbols(data: Any, expected_count: int | None = None) -> torch.Tensor
         symbols = coder.decode(_model(counts), count)
     except (ValueError, RuntimeError, AssertionError) as exc:
         raise CorruptCheckpointError(f"entropy stream does not decode ({exc})") from None
+    if not coder.is_empty():
+        # An intact stream ends exactly where encoding began: leftover state means damage.
+        raise CorruptCheckpointError("entropy stream does not end where its symbols do; it is damaged")
     result = torch.from_numpy(np.asarray(symbols, dtype=np.int64))
     if result.numel() and int(result.max()) >= alphabet:
         raise CorruptCheckpointError("entropy stream decoded to out-of-range symbols")

@@ -20,15 +20,24 @@ class Lossless(Policy):
     """Byte grouping + zstd; XOR delta against a reference when one of the same kind exists.
 
     Args:
-        level: zstd level of the byte-grouping codec; ``None`` for its parameters tuned
-            for byte planes (the fastest and, on weights, the smallest).
+        level: ``None`` (default) lets the byte-grouping codec choose its zstd coder per
+            byte plane (the fastest and, on weights, the smallest); an int forces that
+            stock zstd level.
         small_bytes: tensors smaller than this are stored raw (coding them costs more
             than it saves).
+
+    Raises:
+        ValueError: an option is out of range.
     """
 
     level: Optional[int] = None
     small_bytes: int = 256
     name: str = "lossless"
+
+    def __post_init__(self) -> None:
+        ByteGroupingCodec(level=self.level)  # validates the level
+        if not isinstance(self.small_bytes, int) or isinstance(self.small_bytes, bool) or self.small_bytes < 0:
+            raise ValueError(f"small_bytes must be a non-negative int, got {self.small_bytes!r}")
 
     def plan(
         self,
