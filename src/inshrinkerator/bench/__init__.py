@@ -25,8 +25,8 @@ def run_bench(
     return _run_bench(out_dir, quick=quick, workloads=workloads, policies=policies, seeds=seeds, **options)
 
 
-def run_demo(console: Any = None) -> dict[str, Any]:
+def run_demo(console: Any = None, quick: bool = False) -> dict[str, Any]:
     """Train the digits CNN with compressed checkpoints and failures (see :func:`.demo.run_demo`)."""
     from .demo import run_demo as _run_demo
 
-    return _run_demo(console=console)
+    return _run_demo(console=console, quick=quick)

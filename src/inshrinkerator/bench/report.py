@@ -106,13 +106,16 @@ def render_report(results: dict[str, Any]) -> str:
     meta = results["meta"]
     commit = meta.get("commit") or "unknown (not a git checkout)"
     dirty = " (with uncommitted changes under src/)" if meta.get("dirty_src") else ""
+    others = [c for c in meta.get("run_commits", []) if c != meta.get("commit")]
+    if others:
+        dirty += f"; some runs were measured at commit(s) {', '.join(f'`{c}`' for c in others)}"
     lines = [
         "# inshrinkerator benchmark: failure recovery on real workloads",
         "",
         f"Measured commit: `{commit}`{dirty}; inshrinkerator {meta['version']}, {meta['date']}, "
         f"Python {meta['python']}, torch {meta['torch']}, {meta['machine']}; training on "
         f"{meta['threads']} torch thread(s). Mode: {'quick (smoke sizes)' if meta['quick'] else 'full'}; "
-        f"{meta['seeds']} seed(s); {meta['failures']} failures per run; a full checkpoint every "
+        f"seeds per workload: {', '.join(f'{k} {v}' for k, v in meta['seeds'].items())}; {meta['failures']} failures per run; a full checkpoint every "
         f"{meta['full_every']} saves; total wall time {meta['seconds'] / 60:.1f} min.",
         "",
         "## Protocol",

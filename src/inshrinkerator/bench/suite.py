@@ -4,6 +4,7 @@ then the JSON results, ``report.md`` and the plots."""
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 import tempfile
@@ -35,7 +36,11 @@ _PROGRESS_FILE = "runs.jsonl"
 
 def source_commit() -> dict[str, Any]:
     """The git commit of the source tree this package runs from, and whether ``src/`` has
-    uncommitted changes; ``{"commit": None}`` outside a git checkout."""
+    uncommitted changes; ``{"commit": None}`` outside a git checkout unless the environment
+    variable ``INSHRINKERATOR_SOURCE_COMMIT`` names it."""
+    pinned = os.environ.get("INSHRINKERATOR_SOURCE_COMMIT")
+    if pinned:  # a source export without .git (e.g. `git archive HEAD`) names its commit here
+        return {"commit": pinned, "dirty_src": False}
     root = Path(__file__).resolve().parents[3]
     try:
         commit = subprocess.run(
@@ -86,11 +91,12 @@ def _workload_info(name: str, quick: bool) -> dict[str, Any]:
     }
 
 
-def _plan(names: list[str], specs: list[str], seeds: int, sweeps: bool) -> list[_Task]:
+def _plan(names: list[str], specs: list[str], seeds: Optional[int], quick: bool, sweeps: bool) -> list[_Task]:
     tasks = []
     for name in names:
         extra = sweep_specs(specs) if sweeps and name in SWEEP_WORKLOADS else []
-        for seed in range(seeds):
+        count = seeds if seeds is not None else (1 if quick else WORKLOADS[name].default_seeds)
+        for seed in range(count):
             tasks.append(_Task(name, seed, None))
             tasks.extend(_Task(name, seed, spec) for spec in [*specs, *extra])
     return tasks
@@ -127,7 +133,7 @@ def run_bench(
         workloads: names from :data:`~.workloads.WORKLOADS` (default: all).
         policies: policy specs (names, or ``"name:key=value"``); default: every registered
             policy plus LC-Checkpoint's bit sweep on the digits workloads.
-        seeds: seeds per workload (default: 1 quick, 3 full).
+        seeds: seeds per workload (default: 1 quick; full: each workload's ``default_seeds``).
         threads: torch threads for training (1 keeps timings stable on a shared machine).
         resume: reuse runs already recorded in ``out_dir/runs.jsonl`` with the same settings.
 
@@ -146,10 +152,9 @@ def run_bench(
     specs = list(policies) if policies else registered_policies()
     for spec in specs:
         build_policy(spec)  # fail before any training on a bad name
-    seed_count = seeds if seeds is not None else (1 if quick else 3)
-    if seed_count < 1:
-        raise ValueError(f"seeds must be >= 1, got {seed_count}")
-    tasks = _plan(names, specs, seed_count, sweeps=policies is None and not quick)
+    if seeds is not None and seeds < 1:
+        raise ValueError(f"seeds must be >= 1, got {seeds}")
+    tasks = _plan(names, specs, seeds, quick, sweeps=policies is None and not quick)
     config = {"quick": quick, "failures": failures, "full_every": full_every, "threads": threads}
     out_dir.mkdir(parents=True, exist_ok=True)
     progress_file = out_dir / _PROGRESS_FILE
@@ -174,7 +179,7 @@ def run_bench(
                 current = progress.add_task(label, total=steps_of[task.workload])
                 advance = lambda n, _id=current: progress.advance(_id, n)  # noqa: E731
                 record = _run_task(task, quick, failures, full_every, advance, specs, transfer)
-                record.update(key=task.key, config=config)
+                record.update(key=task.key, config=config, commit=source_commit()["commit"])
                 with progress_file.open("a", encoding="utf-8") as handle:
                     handle.write(json.dumps(record, default=float) + "\n")
                 done[task.key] = record
@@ -184,15 +189,17 @@ def run_bench(
     runs = [done[t.key]["result"] for t in tasks if t.policy is not None]
     for record in done.values():
         transfer.update(record.get("transfer", {}))
+    run_commits = sorted({str(done[t.key].get("commit")) for t in tasks})
     results = {
         "meta": {
             **source_commit(),
+            "run_commits": run_commits,
             "version": __version__,
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "python": platform.python_version(),
             "torch": torch.__version__,
             "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads available",
-            "seeds": seed_count,
+            "seeds": {name: sum(1 for t in tasks if t.workload == name and t.policy is None) for name in names},
             "policies": specs,
             "seconds": time.time() - started,
             **config,

@@ -68,7 +68,8 @@ def measure_transfer(workload: MiniLMDocstrings, specs: list[str]) -> dict[str, 
         folder = Path(folder_name)
         for spec in specs:
             record, restored = _one_shot(pretrained, folder, spec)
-            cut = cut_pretrained(restored, workload.max_length, workload.layers)
+            # quick mode compressed the already-cut model; the whole one needs cutting
+            cut = restored if workload.quick else cut_pretrained(restored, workload.max_length, workload.layers)
             record["probe_accuracy"] = workload.probe_accuracy(cut)
             record["deg_pct"] = degradation_percent(exact_probe, record["probe_accuracy"], True)
             result["pretrained"][spec] = record

