@@ -19,7 +19,8 @@ __all__ = ["AsyncSaveError", "BackgroundWorker"]
 class AsyncSaveError(InkError, RuntimeError):
     """A background save failed; ``__cause__`` is the original exception.
 
-    The step it was saving is not in the run; every step committed before it is.
+    Every step committed before it is intact. The step it was saving is in the run only
+    if the failure came after its commit (in retention): check ``steps()``.
     """
 
 

@@ -175,8 +175,8 @@ class FsspecRunStorage(RunStorage):
             return []
         except NotADirectoryError:
             raise FormatError(f"{self.location} is a file, not a run folder") from None
-        names = [posixpath.basename(str(entry).rstrip("/")) for entry in entries]
-        return [name for name in names if name and self._path(name).rstrip("/") != self.root]
+        paths = [str(entry).rstrip("/") for entry in entries]
+        return [posixpath.basename(path) for path in paths if path != self.root]
 
     def read_bytes(self, name: str, limit: int) -> bytes:
         data = self.fs.cat_file(self._path(name), start=0, end=limit + 1)
