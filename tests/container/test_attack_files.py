@@ -38,7 +38,7 @@ SCRIPT = load_script()
 
 def read_with_container_reader(path: Path) -> Any:
     """Open, decode every tensor (no references) and rebuild: the low-level entry point."""
-    with ContainerReader(open(path, "rb"), str(path)) as reader:
+    with open(path, "rb") as handle, ContainerReader(handle, str(path)) as reader:
         tensors = [reader.decode(record) for record in reader.header.tensors]
         return unflatten(reader.header.skeleton, tensors)
 
