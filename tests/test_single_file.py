@@ -107,6 +107,8 @@ def test_missing_file_is_checkpoint_not_found(tmp_path: Path) -> None:
         ink.load(tmp_path / "nothing.ink")
     with pytest.raises(FileNotFoundError):
         ink.load(tmp_path / "nothing.ink")
+    with pytest.raises(ink.FormatError, match="is a directory"):
+        ink.load(tmp_path)
 
 
 def test_failed_save_keeps_the_earlier_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

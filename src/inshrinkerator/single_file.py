@@ -12,7 +12,7 @@ import fsspec
 import torch
 
 from .container import ContainerReader
-from .errors import CheckpointNotFoundError
+from .errors import CheckpointNotFoundError, FormatError
 from .info import SaveInfo
 from .policies import Policy, resolve_policy
 from .serialize import ProgressCallback, read_state, reference_map, write_state
@@ -37,6 +37,10 @@ def open_container(path: PathLike) -> ContainerReader:
             handle = open(source, "rb")
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"{source}: no such checkpoint file") from None
+    except IsADirectoryError:
+        raise FormatError(
+            f"{source}: is a directory, not an .ink file; open a run with ink.CheckpointManager"
+        ) from None
     try:
         return ContainerReader(handle, source)
     except BaseException:
