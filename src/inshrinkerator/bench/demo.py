@@ -17,8 +17,7 @@ from rich.table import Table
 
 from ..store import default_policy_name
 from .aggregate import run_metrics
-from .recovery import run_reference, run_with_failures
-from .suite import _torch_threads
+from .recovery import run_reference, run_with_failures, torch_threads
 
 __all__ = ["run_demo"]
 
@@ -36,7 +35,7 @@ def run_demo(console: Optional[Console] = None, quick: bool = False) -> dict[str
     """
     console = console or Console()
     policy = default_policy_name()
-    with _torch_threads(1):
+    with torch_threads(1):
         console.print(f"[bold]inshrink demo[/]: a CNN on scikit-learn's digits, policy [cyan]{policy}[/]")
         with console.status("training the uninterrupted reference run..."):
             reference = run_reference(_WORKLOAD, 0, quick)

@@ -11,10 +11,10 @@ again (the data of a step is a function of the step, so they see the same batche
 
 from __future__ import annotations
 
-import io
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -36,6 +36,7 @@ __all__ = [
     "failure_steps",
     "run_reference",
     "run_with_failures",
+    "torch_threads",
 ]
 
 #: Called with the number of training steps just done (for progress bars).
@@ -48,6 +49,18 @@ def failure_steps(total_steps: int, failures: int) -> list[int]:
         return []
     steps = {round(total_steps * k / (failures + 1)) for k in range(1, failures + 1)}
     return sorted(s for s in steps if 0 < s < total_steps)
+
+
+@contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """Run the block with ``count`` torch threads (one keeps timings stable when other jobs
+    share the cores), then restore the previous setting."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def _checkpoint_state(workload: Workload, step: int) -> dict[str, Any]:

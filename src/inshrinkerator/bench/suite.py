@@ -9,11 +9,10 @@ import platform
 import subprocess
 import tempfile
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 from rich.console import Console
@@ -23,7 +22,7 @@ from .. import __version__
 from .aggregate import aggregate_rows
 from .lossless_rows import LOSSLESS_ROWS
 from .policy_specs import SWEEP_WORKLOADS, build_policy, registered_policies, sweep_specs
-from .recovery import run_reference, run_with_failures
+from .recovery import run_reference, run_with_failures, torch_threads
 from .report import write_report
 from .workloads import WORKLOADS, Workload, make_workload
 from .workloads.minilm import MiniLMDocstrings
@@ -53,16 +52,6 @@ def source_commit() -> dict[str, Any]:
     except (OSError, subprocess.CalledProcessError):
         return {"commit": None, "dirty_src": None}
     return {"commit": commit, "dirty_src": bool(status.strip())}
-
-
-@contextmanager
-def _torch_threads(count: int) -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 @dataclass(frozen=True)
@@ -163,7 +152,7 @@ def run_bench(
         progress_file.unlink()
     started = time.time()
     transfer: dict[str, Any] = {}
-    with _torch_threads(threads):
+    with torch_threads(threads):
         info = {name: _workload_info(name, quick) for name in names}
         steps_of = {name: info[name]["total_steps"] for name in names}
         with Progress(
