@@ -9,7 +9,7 @@ Each round, interleaved (alternating which goes first) so both see the same mach
 - **async save**: ``mgr.save(step, state)`` with the worker idle (the training step between
   checkpoints is longer than a background save), timing only the call;
 - then a "training step" mutates the parameters in place (not timed) and the background
-  save is waited for (not timed).
+  save is waited for (not timed; on rounds where the save goes first, before the copy).
 
 Also reported: back-to-back async saves (the worker is still busy, so ``save`` waits for
 it; the training loop then checkpoints faster than the store can write) and a synchronous
@@ -93,6 +93,7 @@ def main() -> None:
                 blocking.append(async_mgr.save(step, state).seconds)
             else:
                 blocking.append(async_mgr.save(step, state).seconds)
+                async_mgr.wait()  # copy on an idle machine, not against the background save
                 copies.append(copy_state(state))
             train_step(model)
             async_mgr.wait()
