@@ -86,21 +86,27 @@ def tensor_byte_rows(tensor: torch.Tensor) -> np.ndarray:
     return tensor_byte_view(tensor).reshape(-1, _lane_dtype(tensor.dtype).itemsize)
 
 
-def _rotated_top_planes(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The top two byte planes of ``rows`` after rotating each top 16 bits left by one.
+def _byte_planes(rows: np.ndarray, rotate: bool) -> list[np.ndarray]:
+    """The byte planes of ``rows`` (plane 0 = lowest byte).
 
-    The sign leaves the top byte (which becomes the exponent) for the bottom of the next.
+    Plain planes are strided views of ``rows`` (copied once, when the stream is
+    assembled). With ``rotate``, each element's top 16 bits are rotated left by one,
+    so the sign leaves the top byte (which becomes the exponent) for the bottom of
+    the next; those two planes are new arrays.
     """
-    # A contiguous copy first: numpy's ufuncs are several times slower on strided input.
-    # (For 2-byte dtypes this is the caller's memory itself: it is only read.)
-    top = np.ascontiguousarray(rows[:, -2:].view(np.uint16).reshape(-1))
-    rotated = np.left_shift(top, 1)
-    rotated |= top >> 15
-    return (rotated >> 8).astype(np.uint8), rotated.astype(np.uint8)
+    planes = [rows[:, p] for p in range(rows.shape[1])]
+    if rotate and len(planes) >= 2:
+        # A contiguous copy first: numpy's ufuncs are several times slower on strided
+        # input. (For 2-byte dtypes this is the caller's memory itself: it is only read.)
+        top = np.ascontiguousarray(rows[:, -2:].view(np.uint16).reshape(-1))
+        rotated = np.left_shift(top, 1)
+        rotated |= top >> 15
+        planes[-2], planes[-1] = rotated.astype(np.uint8), (rotated >> 8).astype(np.uint8)
+    return planes
 
 
 def _write_unrotated_top(rows: np.ndarray, hi: np.ndarray, lo: np.ndarray) -> None:
-    """Inverse of :func:`_rotated_top_planes`, written into the top two bytes of ``rows``."""
+    """Undo the rotation of :func:`_byte_planes`, writing into the top two bytes of ``rows``."""
     rotated = hi.astype(np.uint16)
     rotated <<= 8
     rotated |= lo
@@ -146,11 +152,9 @@ def _code_integer_plane(plane: Any, count: int, level: Optional[int]) -> tuple[i
 
 def _encode_chunk(rows: np.ndarray, is_float: bool, level: Optional[int]) -> list[tuple[int, Any]]:
     count, itemsize = rows.shape
-    planes: list[Any] = [rows[:, p] for p in range(itemsize)]  # strided views
+    planes = _byte_planes(rows, rotate=is_float)
     if not is_float:
         return [_code_integer_plane(plane, count, level) for plane in planes]
-    if itemsize >= 2:
-        planes[-1], planes[-2] = _rotated_top_planes(rows)
     top = itemsize - 1
     return [_code_float_plane(plane, count, level, p == top) for p, plane in enumerate(planes)]
 
@@ -200,8 +204,7 @@ class ByteGroupingCodec(Codec):
             lambda start: _encode_chunk(rows[start : start + chunk], is_float, level),
             range(0, count, chunk),
         )
-        pieces = [piece for plan in plans for piece in plan]
-        return Encoded(streams=[_assemble(pieces)], params={"chunk": chunk})
+        return Encoded(streams=[_assemble(plans)], params={"chunk": chunk})
 
     def decode(
         self,
@@ -241,8 +244,9 @@ class ByteGroupingCodec(Codec):
         return out
 
 
-def _assemble(pieces: list[tuple[int, Any]]) -> np.ndarray:
-    """The stream: index, then every piece copied once into one buffer."""
+def _assemble(plans: list[list[tuple[int, Any]]]) -> np.ndarray:
+    """The stream: the index, then every chunk's pieces, each copied once into one buffer."""
+    pieces = [piece for plan in plans for piece in plan]
     sizes = [len(payload) if mode == _ZSTD else payload.shape[0] for mode, payload in pieces]
     head = _COUNT.size + 5 * len(pieces)
     offsets = np.cumsum([head] + sizes).tolist()
@@ -250,17 +254,19 @@ def _assemble(pieces: list[tuple[int, Any]]) -> np.ndarray:
     out[: _COUNT.size] = np.frombuffer(_COUNT.pack(len(pieces)), dtype=np.uint8)
     out[_COUNT.size : _COUNT.size + len(pieces)] = [mode for mode, _ in pieces]
     out[_COUNT.size + len(pieces) : head] = np.asarray(sizes, dtype="<u4").view(np.uint8)
+    per_chunk = len(plans[0]) if plans else 0
 
-    def place(index: int) -> None:
-        mode, payload = pieces[index]
-        target = out[offsets[index] : offsets[index + 1]]
-        target[:] = np.frombuffer(payload, dtype=np.uint8) if mode == _ZSTD else payload
+    def place(chunk: int) -> None:
+        for index in range(chunk * per_chunk, (chunk + 1) * per_chunk):
+            mode, payload = pieces[index]
+            target = out[offsets[index] : offsets[index + 1]]
+            target[:] = np.frombuffer(payload, dtype=np.uint8) if mode == _ZSTD else payload
 
     if offsets[-1] >= _MIN_PARALLEL_BYTES:
-        parallel_map(place, range(len(pieces)))
+        parallel_map(place, range(len(plans)))
     else:
-        for index in range(len(pieces)):
-            place(index)
+        for chunk in range(len(plans)):
+            place(chunk)
     return out
 
 
