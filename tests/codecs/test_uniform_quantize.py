@@ -78,8 +78,7 @@ def test_other_float_dtypes(dtype: torch.dtype) -> None:
 
 
 def test_clip_search_lowers_the_error_of_heavy_tailed_rows() -> None:
-    generator = torch.Generator().manual_seed(0)
-    tensor = torch.distributions.StudentT(2.0).sample((64, 256)).float()
+    tensor = torch.distributions.StudentT(2.0).sample((64, 256)).float()  # seeded by conftest
     searched = UniformQuantizeCodec(4, search_range=0.5).encode(tensor).reconstruction
     plain = UniformQuantizeCodec(4, search_range=0.0).encode(tensor).reconstruction
     assert (tensor - searched).square().sum() < 0.8 * (tensor - plain).square().sum()

@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 import inshrinkerator as ink
 from inshrinkerator.codecs import CyclicCodeDeltaCodec, EntropyWidthQuantizeCodec
