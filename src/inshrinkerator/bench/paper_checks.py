@@ -175,6 +175,42 @@ def _lossless(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return checks
 
 
+def _dynaquant(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    checks = []
+    for row in rows:
+        if row["policy"] != "dynaquant":
+            continue
+        weights, deg = row["cr_weights"]["mean"], row["deg_pct"]["mean"]
+        checks.append({
+            "baseline": "dynaquant",
+            "claim": (
+                f"weights-only ratio in Inshrinkerator's reported range (26-39x) at its reported "
+                f"degradation (under 1 %) ({row['workload']})"
+            ),
+            "holds": weights >= 20 and deg <= 1.0,
+            "evidence": (
+                f"weights {_fmt(row['cr_weights'])}x, full state {_fmt(row['cr_full'])}x, "
+                f"degradation {_fmt(row['deg_pct'])} %"
+            ),
+        })
+    return checks
+
+
+def _qd_on_bert(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    row = _row(rows, "minilm-docstrings", "qd")
+    if row is None:
+        return []
+    return [{
+        "baseline": "qd",
+        "claim": (
+            "degrades a BERT-style fine-tune far more than the CNN runs, as Inshrinkerator reports "
+            "QD+ collapsing on BERT-Base (minilm-docstrings)"
+        ),
+        "holds": row["deg_pct"]["mean"] > 10.0,
+        "evidence": f"degradation {_fmt(row['deg_pct'])} %, weights {_fmt(row['cr_weights'])}x",
+    }]
+
+
 def paper_checks(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Every check whose rows are present."""
     return [
@@ -183,5 +219,7 @@ def paper_checks(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         *_moments(rows, "excp", "moments pruned and quantized (4-bit k-means + zero code)", 6.0),
         *_weights_bits(rows, "cnr", "weights quantized uniformly to about 4 bits", 1.0, 5.0),
         *_weights_bits(rows, "qd", "entropy-driven bit width below the 8-bit maximum", 0.5, 8.0),
+        *_qd_on_bert(rows),
+        *_dynaquant(rows),
         *_lossless(rows),
     ]

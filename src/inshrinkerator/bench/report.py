@@ -32,15 +32,16 @@ def _cell(spread: dict[str, float], digits: int = 2) -> str:
 
 def _main_table(results: dict[str, Any]) -> list[str]:
     lines = [
-        "| Workload | Policy | Deg % | CR full state | CR weights only | Ovh % | compress MB/s | restore / torch.load |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| Workload | Policy | Deg % | CR full state | CR weights only | Ovh % | compress MB/s "
+        "| restore / torch.load | restore MB/s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in results["rows"]:
         name = row["policy"] + (" †" if row["kind"] == "lossless-reference" else "")
         lines.append(
             f"| {row['workload']} | {name} | {_cell(row['deg_pct'])} | {_cell(row['cr_full'])} | "
             f"{_cell(row['cr_weights'])} | {_cell(row['ovh_pct'], 1)} | {_cell(row['compress_mbps'], 1)} | "
-            f"{_cell(row['restore_ratio'])} |"
+            f"{_cell(row['restore_ratio'])} | {_cell(row['restore_mbps'], 1)} |"
         )
     return lines
 
@@ -101,6 +102,12 @@ def _transfer(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _seeds(seeds: Any) -> str:
+    if isinstance(seeds, dict):
+        return ", ".join(f"{name} {count}" for name, count in seeds.items())
+    return str(seeds)
+
+
 def render_report(results: dict[str, Any]) -> str:
     """The markdown text of the report."""
     meta = results["meta"]
@@ -115,7 +122,7 @@ def render_report(results: dict[str, Any]) -> str:
         f"Measured commit: `{commit}`{dirty}; inshrinkerator {meta['version']}, {meta['date']}, "
         f"Python {meta['python']}, torch {meta['torch']}, {meta['machine']}; training on "
         f"{meta['threads']} torch thread(s). Mode: {'quick (smoke sizes)' if meta['quick'] else 'full'}; "
-        f"seeds per workload: {', '.join(f'{k} {v}' for k, v in meta['seeds'].items())}; {meta['failures']} failures per run; a full checkpoint every "
+        f"seeds per workload: {_seeds(meta['seeds'])}; {meta['failures']} failures per run; a full checkpoint every "
         f"{meta['full_every']} saves; total wall time {meta['seconds'] / 60:.1f} min.",
         "",
         "## Protocol",
@@ -134,7 +141,8 @@ def render_report(results: dict[str, Any]) -> str:
         "and the bytes stored for them (per-tensor sizes in the container headers).",
         "- **Ovh %**: time the training loop was blocked in `save` / training time. **compress MB/s**: "
         "raw MB per second of `save`. **restore / torch.load**: time to load the latest checkpoint "
-        "vs `torch.load(weights_only=True)` of the same state from a file.",
+        "vs `torch.load(weights_only=True)` of the same state from a file (lossless rows: from memory); "
+        "**restore MB/s**: raw MB restored per second.",
         "- † Lossless reference rows are measured on the uninterrupted run's checkpoint states "
         "(a lossless restore reproduces that run exactly): `torch.save`; `zstd` (level 3) of the "
         "`torch.save` bytes; `zipnn` on each tensor's raw bytes. Each is checked to restore bit for bit.",
