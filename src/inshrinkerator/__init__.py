@@ -9,6 +9,7 @@ The public API::
 
 from . import policies
 from .errors import (
+    AsyncSaveError,
     BrokenChainError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -36,5 +37,6 @@ __all__ = [
     "CheckpointNotFoundError",
     "BrokenChainError",
     "UnsupportedStateError",
+    "AsyncSaveError",
     "__version__",
 ]

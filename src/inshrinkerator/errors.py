@@ -13,6 +13,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "BrokenChainError",
     "UnsupportedStateError",
+    "AsyncSaveError",
 ]
 
 
@@ -38,3 +39,11 @@ class BrokenChainError(InkError):
 
 class UnsupportedStateError(InkError, TypeError):
     """The state holds a value that cannot be stored; the message names its key path."""
+
+
+class AsyncSaveError(InkError, RuntimeError):
+    """A background save failed; ``__cause__`` is the original exception.
+
+    Every step committed before it is intact. The step it was saving is in the run only
+    if the failure came after its commit (in retention): check ``CheckpointManager.steps()``.
+    """

@@ -11,17 +11,9 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Optional
 
-from ..errors import InkError
+from ..errors import AsyncSaveError
 
 __all__ = ["AsyncSaveError", "BackgroundWorker"]
-
-
-class AsyncSaveError(InkError, RuntimeError):
-    """A background save failed; ``__cause__`` is the original exception.
-
-    Every step committed before it is intact. The step it was saving is in the run only
-    if the failure came after its commit (in retention): check ``steps()``.
-    """
 
 
 class BackgroundWorker:
