@@ -16,7 +16,6 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from .codecs.registry import get_codec
 from .errors import InkError
 from .policies import POLICY_NAMES
 from .serialize import ProgressCallback
@@ -164,9 +163,7 @@ def _verify_file(path: str, base: Optional[str]) -> list[str]:
     try:
         with open_container(path) as reader:
             header = reader.header
-            for record in header.tensors:
-                get_codec(record.codec)
-                reader.read_streams(record)
+            reader.verify()
             needs_base = any(r.reference is not None for r in header.tensors)
             if needs_base and base is None:
                 problems.append(
