@@ -12,14 +12,20 @@ from inshrinkerator.policies import POLICY_NAMES
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 #: Relative change of the final loss allowed between a resumed and an uninterrupted run:
-#: lossless restores bit for bit; a lossy policy perturbs the state once per restore.
+#: lossless restores bit for bit; a lossy policy may cost what DynaQuant's default
+#: per-checkpoint tolerance allows (5%).
 TOLERANCE = {"lossless": 1e-6}
-LOSSY_TOLERANCE = 0.10
+LOSSY_TOLERANCE = 0.05
+
+#: The lossy policy the integration tests run, first registered wins: LC-Checkpoint is
+#: fast enough for the time budget on every workload here. (DynaQuant's search takes
+#: minutes on the Trainer workload; it is measured by the benchmarks instead.)
+LOSSY_PREFERENCE = ("lc-checkpoint", "qd", "cnr", "excp", "dynaquant")
 
 
 def policies_under_test() -> list[str]:
-    """Lossless, plus the default lossy policy (or another lossy one) when registered."""
-    lossy = [name for name in ("dynaquant", *POLICY_NAMES) if name in POLICY_NAMES and name != "lossless"]
+    """Lossless, plus one lossy policy when one is registered."""
+    lossy = [name for name in (*LOSSY_PREFERENCE, *POLICY_NAMES) if name in POLICY_NAMES and name != "lossless"]
     return ["lossless", *lossy[:1]]
 
 
