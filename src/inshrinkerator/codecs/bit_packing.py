@@ -28,6 +28,19 @@ def _check_bits(bits: int) -> None:
         raise ValueError(f"code width must be an int in [1, {MAX_BITS}] bits, got {bits!r}")
 
 
+def _or_shifted(columns: torch.Tensor, width: int) -> torch.Tensor:
+    """Row-wise OR of ``columns[:, j] << (j * width)`` (uint8)."""
+    packed = columns[:, 0].clone()
+    for j in range(1, columns.shape[1]):
+        packed |= columns[:, j] << (j * width)
+    return packed
+
+
+def _pad(flat: torch.Tensor, multiple: int) -> torch.Tensor:
+    padding = (-flat.numel()) % multiple
+    return torch.cat([flat, flat.new_zeros(padding)]) if padding else flat
+
+
 def pack_codes(codes: torch.Tensor, bits: int) -> bytes:
     """Pack integer ``codes`` (any shape, flattened; each in ``[0, 2**bits)``) into bytes.
 
@@ -35,21 +48,17 @@ def pack_codes(codes: torch.Tensor, bits: int) -> bytes:
         ValueError: ``bits`` is out of range or a code does not fit in it.
     """
     _check_bits(bits)
-    flat = codes.detach().reshape(-1).to("cpu", torch.int64)
+    flat = codes.detach().reshape(-1).to("cpu")
     if flat.numel() == 0:
         return b""
     if int(flat.min()) < 0 or int(flat.max()) >= 1 << bits:
         raise ValueError(f"codes lie outside [0, {1 << bits}) and do not fit in {bits} bits")
-    if bits == 8:
-        return flat.to(torch.uint8).numpy().tobytes()
-    shifts = torch.arange(bits, dtype=torch.int64)
-    bit_stream = ((flat.unsqueeze(1) >> shifts) & 1).to(torch.uint8).reshape(-1)
-    padding = (-bit_stream.numel()) % 8
-    if padding:
-        bit_stream = torch.cat([bit_stream, bit_stream.new_zeros(padding)])
-    weights = torch.tensor([1 << k for k in range(8)], dtype=torch.uint8)
-    packed = (bit_stream.reshape(-1, 8) * weights).sum(dim=1, dtype=torch.int64).to(torch.uint8)
-    return packed.numpy().tobytes()
+    small = flat.to(torch.uint8)
+    if 8 % bits == 0:  # whole codes per byte: combine them directly
+        return _or_shifted(_pad(small, 8 // bits).reshape(-1, 8 // bits), bits).numpy().tobytes()
+    shifts = torch.arange(bits, dtype=torch.uint8)
+    bit_stream = ((small.unsqueeze(1) >> shifts) & 1).reshape(-1)
+    return _or_shifted(_pad(bit_stream, 8).reshape(-1, 8), 1).numpy().tobytes()
 
 
 def unpack_codes(data: Any, bits: int, count: int) -> torch.Tensor:
@@ -67,10 +76,11 @@ def unpack_codes(data: Any, bits: int, count: int) -> torch.Tensor:
         )
     if count == 0:
         return torch.empty(0, dtype=torch.int64)
-    packed = torch.frombuffer(bytearray(view), dtype=torch.uint8).to(torch.int64)
-    if bits == 8:
-        return packed
-    shifts = torch.arange(8, dtype=torch.int64)
+    packed = torch.frombuffer(bytearray(view), dtype=torch.uint8)
+    mask = (1 << bits) - 1
+    if 8 % bits == 0:
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
+        return ((packed.unsqueeze(1) >> shifts) & mask).reshape(-1)[:count].to(torch.int64)
+    shifts = torch.arange(8, dtype=torch.uint8)
     bit_stream = ((packed.unsqueeze(1) >> shifts) & 1).reshape(-1)[: count * bits]
-    weights = torch.tensor([1 << k for k in range(bits)], dtype=torch.int64)
-    return (bit_stream.reshape(count, bits) * weights).sum(dim=1)
+    return _or_shifted(bit_stream.reshape(count, bits), 1).to(torch.int64)

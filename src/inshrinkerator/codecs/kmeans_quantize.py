@@ -64,6 +64,10 @@ def kmeans_1d(values: torch.Tensor, clusters: int, iterations: int) -> torch.Ten
     Initialised at evenly spaced quantiles; stops early when the centres stop moving.
     """
     ordered = values.reshape(-1).to(torch.float64).sort().values
+    return _kmeans_sorted(ordered, clusters, iterations)
+
+
+def _kmeans_sorted(ordered: torch.Tensor, clusters: int, iterations: int) -> torch.Tensor:
     count = ordered.numel()
     prefix = torch.cat([ordered.new_zeros(1), ordered.cumsum(0)])
     positions = ((torch.arange(clusters, dtype=torch.float64) + 0.5) * count / clusters).long()
@@ -162,12 +166,14 @@ class KMeansQuantizeCodec(Codec):
                 )
             kept &= self._keep.reshape(-1).to(flat.device)
         values = torch.masked_select(flat, kept)
-        distinct = torch.unique(values)
+        ordered = values.sort().values
+        distinct = torch.unique_consecutive(ordered)
         centres = (1 << self.bits) - 1
         if distinct.numel() <= centres:
             table, exponent, stored = distinct, 0, distinct
         else:
-            stored, exponent = _fp16_codebook(kmeans_1d(values, centres, self.iterations))
+            clustered = _kmeans_sorted(ordered.to(torch.float64), centres, self.iterations)
+            stored, exponent = _fp16_codebook(clustered)
             table = _codebook_values(stored, exponent, compute)
         codes = torch.zeros(flat.numel(), dtype=torch.int64, device=flat.device)
         if table.numel():
