@@ -56,9 +56,14 @@ def pack_codes(codes: torch.Tensor, bits: int) -> bytes:
     small = flat.to(torch.uint8)
     if 8 % bits == 0:  # whole codes per byte: combine them directly
         return _or_shifted(_pad(small, 8 // bits).reshape(-1, 8 // bits), bits).numpy().tobytes()
-    shifts = torch.arange(bits, dtype=torch.uint8)
-    bit_stream = ((small.unsqueeze(1) >> shifts) & 1).reshape(-1)
-    return _or_shifted(_pad(bit_stream, 8).reshape(-1, 8), 1).numpy().tobytes()
+    # Otherwise 8 codes fill exactly ``bits`` bytes: build each group as one 56-bit-at-most
+    # integer, then cut it into bytes.
+    groups = _pad(flat.to(torch.int64), 8).reshape(-1, 8)
+    value = groups[:, 0].clone()
+    for j in range(1, 8):
+        value |= groups[:, j] << (j * bits)
+    cut = torch.stack([(value >> (8 * k)) & 0xFF for k in range(bits)], dim=1).to(torch.uint8)
+    return cut.reshape(-1)[: packed_size(flat.numel(), bits)].numpy().tobytes()
 
 
 def unpack_codes(data: Any, bits: int, count: int) -> torch.Tensor:
@@ -81,6 +86,9 @@ def unpack_codes(data: Any, bits: int, count: int) -> torch.Tensor:
     if 8 % bits == 0:
         shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
         return ((packed.unsqueeze(1) >> shifts) & mask).reshape(-1)[:count].to(torch.int64)
-    shifts = torch.arange(8, dtype=torch.uint8)
-    bit_stream = ((packed.unsqueeze(1) >> shifts) & 1).reshape(-1)[: count * bits]
-    return _or_shifted(bit_stream.reshape(count, bits), 1).to(torch.int64)
+    groups = _pad(packed.to(torch.int64), bits).reshape(-1, bits)
+    value = groups[:, 0].clone()
+    for k in range(1, bits):
+        value |= groups[:, k] << (8 * k)
+    codes = torch.stack([(value >> (j * bits)) & mask for j in range(8)], dim=1)
+    return codes.reshape(-1)[:count]
