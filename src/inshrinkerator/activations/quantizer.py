@@ -1,17 +1,21 @@
-"""An error-bounded, sign-preserving uniform quantizer for activations, in torch ops.
+"""An error-bounded uniform quantizer for activations, in torch ops (any device).
 
-Every non-zero value ``x`` goes to the bin ``k = sign(x) * (floor(|x| / (2 eb)) + 1)`` and
-comes back as the bin's midpoint ``sign(k) * (|k| - 1/2) * 2 eb``, so
+Bins are ``step = 2 eb`` wide and every value comes back as its bin's centre, so
+``|x - x_hat| <= eb`` for every element and, inside a bin, the error is spread evenly over
+``[-eb, eb]`` with mean zero (the model the adaptive bound in ``adaptive.py`` relies on).
+Two bin layouts:
 
-- ``|x - x_hat| <= eb`` for every element (checked after encoding, in the output dtype);
-- zeros stay exactly zero and every sign survives, so a ReLU mask or a dropout mask read
-  back from the compressed tensor is exact;
-- inside a bin the error is spread evenly over ``[-eb, eb]`` with mean zero, which is the
-  model the adaptive bound (``adaptive.py``) relies on.
+- **mid-tread** (the default): ``k = round(x / step)``, ``x_hat = k * step``. Zeros stay
+  zero; values within ``eb`` of zero become zero; no value changes sign.
+- **positive** (a non-negative tensor with exact zeros, i.e. a ReLU output): zeros are
+  bin 0 and stay exactly zero, a positive ``x`` goes to ``k = floor(x / step) + 1`` and
+  comes back as ``(k - 1/2) * step > 0``. So the ReLU mask read back is exact: what is
+  zero stays zero and what is positive stays positive.
 
-The integer codes are bit-packed per group of 64 (``bitpack.py``); a tensor with many
-zeros (a ReLU output) is stored as a zero mask plus the packed non-zero codes. The same
-code runs on any device; nothing leaves the tensor's device.
+The bins are narrowed by the worst float rounding of the reconstruction, so the bound
+holds for the decoded values in the tensor's own dtype (see :func:`quantize`). The integer
+codes are bit-packed per group of 64 (``bitpack.py``); a tensor with many zero codes is
+stored as a zero mask plus the packed non-zero codes.
 """
 
 from __future__ import annotations
@@ -50,7 +54,8 @@ class QuantizedActivation:
     dtype: torch.dtype
     device: torch.device
     step: float
-    signed: bool
+    positive: bool  # the positive layout (zero bin + positive bins), else mid-tread
+    signed: bool  # codes can be negative (zigzag-packed)
     sparse_mask: Optional[torch.Tensor]  # packed bits of (x != 0), when stored sparsely
     codes: PackedCodes
 
@@ -70,13 +75,15 @@ class QuantizedActivation:
             codes.masked_scatter_(nonzero, _from_nonzero_unsigned(unsigned, self.signed))
         else:
             codes = _from_unsigned(unsigned, self.signed)
-        return _reconstruct(codes, self.step, work).to(self.dtype).view(self.shape)
+        return _reconstruct(codes, self.step, self.positive, work).to(self.dtype).view(self.shape)
 
 
-def _reconstruct(codes: torch.Tensor, step: float, work: torch.dtype) -> torch.Tensor:
+def _reconstruct(codes: torch.Tensor, step: float, positive: bool, work: torch.dtype) -> torch.Tensor:
     values = codes.to(work)
-    # (|k| - 1/2) * step with k's sign; sign(0) = 0 keeps zeros at zero
-    return (values.abs() - 0.5).mul_(torch.sign(values)).mul_(step)
+    if not positive:
+        return values.mul_(step)
+    # (k - 1/2) * step for k >= 1; sign(0) = 0 keeps bin 0 at zero
+    return (values - 0.5).mul_(torch.sign(values)).mul_(step)
 
 
 def _zigzag(codes: torch.Tensor) -> torch.Tensor:
@@ -111,11 +118,15 @@ _SPARSE_MIN_ZEROS = 0.1  # below this zero fraction a zero mask cannot pay for i
 def quantize(tensor: torch.Tensor, error_bound: float) -> Optional[QuantizedActivation]:
     """Quantize a floating tensor so that every element is within ``error_bound`` of the original.
 
-    The bins are narrowed by the worst rounding of the reconstruction (about ``peak * eps``),
-    so the bound holds for the decoded values in the tensor's own dtype; if that slack would
-    eat half the bound, the result is verified instead. Returns ``None`` when the bound
-    cannot be met (non-finite values, a bound below the dtype's resolution at the tensor's
-    magnitude, more bins than 32-bit codes hold): the caller keeps the tensor then.
+    Why the bound holds in floating point: computing ``x / step`` can put a value one bin off
+    only when it sits within ``|x| eps`` of a bin edge, and rounding the centre (in the working
+    dtype, then in the output dtype) moves it by at most ``|x| (eps_work + eps_out) / 2``. The
+    bins are narrowed by ``slack = peak (eps_out + 2 eps_work)``, which covers both, so no check
+    is needed; if that slack would eat half the bound, the result is verified instead.
+
+    Returns ``None`` when the bound cannot be met (non-finite values, a bound below the
+    dtype's resolution at the tensor's magnitude, more bins than 32-bit codes hold): the
+    caller keeps the tensor then.
     """
     if not tensor.is_floating_point() or not error_bound > 0 or not math.isfinite(error_bound):
         return None
@@ -134,10 +145,15 @@ def quantize(tensor: torch.Tensor, error_bound: float) -> Optional[QuantizedActi
     if peak / step >= _MAX_CODE - 2:
         return None
     code_dtype = torch.int32 if peak / step < (1 << 29) else torch.int64
-    # sign() is 0 for zeros, so they land in bin 0 and every other value keeps its sign
-    codes = (flat.abs() / step).floor_().add_(1).mul_(torch.sign(flat)).to(code_dtype)
+    nonnegative = low_value >= 0
+    positive = nonnegative and int(torch.count_nonzero(flat)) < flat.numel()
+    if positive:
+        # sign() is 0 for the zeros, so they land in bin 0; positives land in bins >= 1
+        codes = (flat / step).floor_().add_(1).mul_(torch.sign(flat)).to(code_dtype)
+    else:
+        codes = torch.round(flat / step).to(code_dtype)
     if slack >= bound / 2:
-        recon = _reconstruct(codes, step, work).to(tensor.dtype).to(work)
+        recon = _reconstruct(codes, step, positive, work).to(tensor.dtype).to(work)
         if bool(((flat - recon).abs() > bound).any()):
             return None
     signed = low_value < 0
@@ -150,4 +166,5 @@ def quantize(tensor: torch.Tensor, error_bound: float) -> Optional[QuantizedActi
         if (codes.numel() + 7) // 8 + packed_size(sparse) < packed_size(unsigned):
             mask, unsigned = pack_mask(nonzero), sparse
     packed = pack_codes(unsigned)
-    return QuantizedActivation(tuple(tensor.shape), tensor.dtype, tensor.device, step, signed, mask, packed)
+    return QuantizedActivation(tuple(tensor.shape), tensor.dtype, tensor.device, step, positive, signed, mask,
+                               packed)

@@ -129,11 +129,12 @@ def rss_bytes() -> int:
         return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def probe_in_subprocess(workload: str, method: str, seed: int, batch_size: int, steps: int = 4) -> dict[str, float]:
+def probe_in_subprocess(workload: str, method: str, seed: int, batch_size: int, steps: int = 4,
+                        threads: int = 1) -> dict[str, float]:
     """RSS growth over a forward pass and peak RSS of a fresh process training ``steps`` steps."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="65536")
     command = [sys.executable, "-m", "inshrinkerator.activations.bench.probe", workload, method,
-               str(seed), str(batch_size), str(steps)]
+               str(seed), str(batch_size), str(steps), str(threads)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
         raise RuntimeError(f"memory probe {workload}/{method} failed:\n{done.stderr[-2000:]}")

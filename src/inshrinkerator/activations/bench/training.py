@@ -1,17 +1,17 @@
-"""One training step and one training run of a workload under a method."""
+"""Training steps of a workload under a method."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
 from .methods import METHODS, MethodRun
 from .workloads import ActivationWorkload, Segmented
 
-__all__ = ["Trainer", "train_run"]
+__all__ = ["Trainer"]
 
 
 @dataclass
@@ -39,23 +39,10 @@ class Trainer:
             loss = self.workload.loss(self.model(inputs), targets)
             loss.backward()
         self.optimizer.step()
-        return float(loss)
+        return float(loss.detach())
 
     def timed_step(self, step: int) -> float:
         """Seconds one :meth:`step` takes."""
         start = time.perf_counter()
         self.step(step)
         return time.perf_counter() - start
-
-
-def train_run(workload: ActivationWorkload, method: str, seed: int, steps: int,
-              on_step: Callable[[], None] = lambda: None) -> dict[str, float]:
-    """Train ``steps`` steps from the seed's initialization; the final evaluation metrics."""
-    trainer = Trainer.create(workload, method, seed)
-    for step in range(steps):
-        trainer.step(step)
-        on_step()
-    metrics = workload.evaluate(trainer.model)
-    if trainer.run.compressor is not None:
-        metrics["codec_ratio"] = trainer.run.compressor.statistics.ratio
-    return metrics
