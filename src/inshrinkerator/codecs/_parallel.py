@@ -1,4 +1,11 @@
-"""One shared thread pool for codec work (zstd and torch release the GIL)."""
+"""One shared thread pool for codec work (zstd, numpy copies and torch release the GIL).
+
+:func:`parallel_map` shares out a batch of items between the calling thread and idle
+pool workers. The caller always works on its own batch, and a thread only ever waits
+for items that another thread is already running, so nested calls (tensors in
+parallel, each coding its chunks in parallel) keep every worker busy and can never
+deadlock: a helper that starts after the batch is drained just finds nothing to do.
+"""
 
 from __future__ import annotations
 
@@ -6,14 +13,13 @@ import os
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import Generic, Optional, TypeVar
 
 T = TypeVar("T")
 R = TypeVar("R")
 
 _lock = threading.Lock()
-_pool: ThreadPoolExecutor | None = None
-_local = threading.local()
+_pool: Optional[ThreadPoolExecutor] = None
 
 
 def worker_count() -> int:
@@ -24,24 +30,70 @@ def worker_count() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def parallel_map(fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
-    """``[fn(x) for x in items]``, spread over the pool when there is more than one item.
-
-    Calls made from inside a pool worker run inline, so nested use never deadlocks.
-    """
-    items = list(items)
-    if len(items) <= 1 or getattr(_local, "in_pool", False) or worker_count() == 1:
-        return [fn(x) for x in items]
+def _shared_pool() -> ThreadPoolExecutor:
     global _pool
     with _lock:
         if _pool is None:
             _pool = ThreadPoolExecutor(worker_count(), thread_name_prefix="inshrink-codec")
-    return list(_pool.map(lambda x: _run_marked(fn, x), items))
+        return _pool
 
 
-def _run_marked(fn: Callable[[T], R], item: T) -> R:
-    _local.in_pool = True
-    try:
-        return fn(item)
-    finally:
-        _local.in_pool = False
+class _Batch(Generic[T, R]):
+    """Items handed out one at a time to whichever thread asks next."""
+
+    def __init__(self, fn: Callable[[T], R], items: list[T]) -> None:
+        self.fn = fn
+        self.items = items
+        self.results: list[Optional[R]] = [None] * len(items)
+        self.error: Optional[BaseException] = None
+        self._next = 0
+        self._running = 0
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+
+    def _claim(self) -> int:
+        with self._lock:
+            if self._next >= len(self.items) or self.error is not None:
+                return -1
+            index = self._next
+            self._next += 1
+            self._running += 1
+            return index
+
+    def work(self) -> None:
+        """Run items until none are left (or one has failed)."""
+        while (index := self._claim()) >= 0:
+            try:
+                self.results[index] = self.fn(self.items[index])
+            except BaseException as exc:  # handed to the caller, which re-raises it
+                with self._lock:
+                    if self.error is None:
+                        self.error = exc
+            finally:
+                with self._lock:
+                    self._running -= 1
+                    self._idle.notify_all()
+
+    def wait(self) -> None:
+        """Block until every claimed item has finished (all of them are being run)."""
+        with self._lock:
+            while self._running:
+                self._idle.wait()
+
+
+def parallel_map(fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
+    """``[fn(x) for x in items]``, shared between the caller and idle pool workers.
+
+    The first exception raised by ``fn`` is re-raised here once running items finish.
+    """
+    batch = _Batch(fn, list(items))
+    helpers = min(worker_count(), len(batch.items)) - 1
+    if helpers > 0:
+        pool = _shared_pool()
+        for _ in range(helpers):
+            pool.submit(batch.work)
+    batch.work()
+    batch.wait()
+    if batch.error is not None:
+        raise batch.error
+    return batch.results  # type: ignore[return-value]
