@@ -99,8 +99,11 @@ def test_torchrun_two_ranks_each_write_and_restore_their_own_shard(tmp_path: Pat
                 str(EXAMPLES / "dcp_torchrun.py"), "--out", str(tmp_path), "--policy", "lossless"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for phase in ("save", "resume"):
-        done = subprocess.run([*torchrun, "--phase", phase], capture_output=True, text=True,
-                              timeout=240, env=env, check=False)
+        for _attempt in range(2):  # a port taken between rendezvous probes: launch once more
+            done = subprocess.run([*torchrun, "--phase", phase], capture_output=True, text=True,
+                                  timeout=240, env=env, check=False)
+            if done.returncode == 0 or "address already in use" not in done.stderr.lower():
+                break
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     print(done.stdout.strip())
     for rank in (0, 1):
