@@ -12,6 +12,7 @@ from .kmeans_quantize import KMeansQuantizeCodec
 from .uniform_quantize import UniformQuantizeCodec
 from .entropy_width_quantize import EntropyWidthQuantizeCodec
 from .cyclic_code_delta import CyclicCodeDeltaCodec
+from .dynaquant import DynaQuantCodec, DynaQuantDeltaCodec
 
 __all__ = [
     "Codec",
@@ -34,4 +35,6 @@ __all__ = [
     "UniformQuantizeCodec",
     "EntropyWidthQuantizeCodec",
     "CyclicCodeDeltaCodec",
+    "DynaQuantCodec",
+    "DynaQuantDeltaCodec",
 ]

@@ -6,13 +6,14 @@ from typing import Union
 
 from .base import Policy
 from .cnr import CheckNRun
+from .dynaquant import DynaQuant
 from .excp import ExCP
 from .lc_checkpoint import LCCheckpoint
 from .lossless import Lossless
 from .qd import QDCompressor
 
 __all__ = [
-    "Policy", "Lossless", "LCCheckpoint", "ExCP", "CheckNRun", "QDCompressor",
+    "Policy", "Lossless", "LCCheckpoint", "ExCP", "CheckNRun", "QDCompressor", "DynaQuant",
     "resolve_policy", "POLICY_NAMES",
 ]
 
@@ -22,6 +23,7 @@ _FACTORIES = {
     "excp": ExCP,
     "cnr": CheckNRun,
     "qd": QDCompressor,
+    "dynaquant": DynaQuant,
 }
 
 #: The policy names ``save`` and ``CheckpointManager`` accept.

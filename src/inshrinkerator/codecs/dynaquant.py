@@ -1,0 +1,344 @@
+"""The DynaQuant codecs: non-uniform quantization + quantization-aware delta coding of ids.
+
+``DynaQuantCodec`` stores a float tensor as bucket ids over a small table of
+levels (:mod:`.nonuniform_quantizer`), its protected elements in 16 bits, and
+the ids run-length + entropy coded (:mod:`.bucket_delta`).
+``DynaQuantDeltaCodec`` does the same against a reference tensor (the previous
+*reconstructed* checkpoint): the ids are coded as deltas against the ids the
+reference falls in under the *current* table, which the decoder recomputes from
+the reference and the stored table. Nothing else of the previous checkpoint is
+needed (no ids are carried), and because the reference is the reconstruction the
+decoded tensor is exactly what the encoder produced: no drift along a chain. A
+fingerprint of the reference is stored, so decoding against another tensor is a
+:class:`~inshrinkerator.errors.BrokenChainError`, never silent garbage.
+
+Without hints the codec prunes and protects by magnitude with its own fractions
+and fits its own levels. A policy can pass ready thresholds, levels, element
+masks (e.g. by sensitivity) and the tensor's sketch keys through
+:meth:`DynaQuantCodec.with_hints`; hints only steer the encoder.
+
+Stream layout (one stream, little-endian)::
+
+    u8 version, u8 domain (0 linear, 1 log), u8 protected dtype (0 bf16, 1 fp16), u8 reserved,
+    u32 values (n, incl. the zero level), u32 zero index, u16 prune below, u16 protect above,
+    u32 reference fingerprint (0 for a full tensor), u64 protected count, u64 id-stream bytes,
+    f32[n] level values, protected values (2 bytes each), id stream
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import torch
+
+from ..errors import BrokenChainError, CorruptCheckpointError, FormatError
+from .base import Codec, Encoded, TensorSpec
+from .bucket_delta import MAX_LEVELS, EntropyStats, decode_bucket_ids, encode_bucket_ids
+from .log_sketch import MAGNITUDE_KEYS, SIGNED_KEYS, signed_keys
+from .nonuniform_quantizer import (
+    DOMAINS,
+    FIRST_NON_FINITE_KEY,
+    LINEAR,
+    LOG,
+    LevelTable,
+    assign_ids,
+    fit_centroids,
+    make_level_table,
+    reconstruct,
+    stick_to_predicted,
+)
+from .registry import register_codec
+
+__all__ = ["DynaQuantCodec", "DynaQuantDeltaCodec", "magnitude_thresholds", "reference_fingerprint"]
+
+_LAYOUT = struct.Struct("<BBBBIIHHIQQ")
+_VERSION = 1
+_PROTECTED_DTYPES = {0: torch.bfloat16, 1: torch.float16}
+_DOMAIN_CODES = {LINEAR: 0, LOG: 1}
+_MAX_BINS = 1024
+#: Deltas of tensors up to this size are regrouped by predicted bucket (the sort pays off
+#: there; above it, it would dominate the encoding time).
+REARRANGE_MAX_ELEMENTS = 1 << 18
+_FINGERPRINT_SAMPLES = 4096
+_DEFAULTS = {"bins": 16, "prune": 0.0, "protect": 0.0, "sigma": 0.2, "domain": LINEAR, "stickiness": 0.0}
+
+
+def reference_fingerprint(reference: torch.Tensor) -> int:
+    """CRC-32 of an evenly strided sample of the reference's bytes, plus its size (never 0)."""
+    flat = reference.detach().reshape(-1)
+    step = max(1, flat.numel() // _FINGERPRINT_SAMPLES)
+    sample = flat[::step].contiguous().cpu()
+    crc = zlib.crc32(sample.view(torch.uint8).numpy().tobytes() if sample.numel() else b"", flat.numel())
+    return crc or 1
+
+
+def magnitude_thresholds(counts: torch.Tensor, prune: float, protect: float) -> tuple[int, int]:
+    """``(prune_below, protect_above)`` magnitude keys for fractions of a signed-key histogram.
+
+    About ``prune`` of the elements have a magnitude key below the first and about
+    ``protect`` one above the second (to the sketch's bucket accuracy).
+    """
+    magnitude = counts[:MAGNITUDE_KEYS] + counts[MAGNITUDE_KEYS:]
+    total = int(magnitude.sum())
+    cumulative = torch.cumsum(magnitude, 0)
+    prune_below = 1
+    protect_above = FIRST_NON_FINITE_KEY - 1
+    if total and prune > 0:
+        target = torch.tensor(int(prune * total + 0.5), dtype=cumulative.dtype)
+        prune_below = max(1, int(torch.searchsorted(cumulative, target)))
+    if total and protect > 0:
+        target = torch.tensor(total - max(1, int(protect * total + 0.5)), dtype=cumulative.dtype)
+        protect_above = min(int(torch.searchsorted(cumulative, target, right=True)), FIRST_NON_FINITE_KEY - 1)
+    return prune_below, protect_above
+
+
+def kept_counts(counts: torch.Tensor, prune_below: int, protect_above: int) -> torch.Tensor:
+    """The histogram without the buckets the thresholds prune or protect."""
+    magnitude = torch.arange(SIGNED_KEYS) & (MAGNITUDE_KEYS - 1)
+    keep = (magnitude >= prune_below) & (magnitude <= protect_above)
+    return torch.where(keep.to(counts.device), counts, 0)
+
+
+def _fraction(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+        raise ValueError(f"{name} must be a fraction in [0, 1), got {value!r}")
+    return float(value)
+
+
+@register_codec
+class DynaQuantCodec(Codec):
+    """Lossy: prune / protect / k-means quantize; ids run-length + ANS coded.
+
+    Args:
+        bins: centroids (non-zero levels) at most, 1..1024.
+        prune: fraction of smallest-magnitude elements set to exactly 0 (without hints).
+        protect: fraction of largest-magnitude elements kept in 16 bits (without hints).
+        sigma: count-vs-magnitude balance of the k-means sample weights (linear domain).
+        domain: ``"linear"``, or ``"log"`` for positive tensors (relative error, levels > 0).
+        stickiness: delta codec only: how far (in half-cells) past its bucket an element may
+            drift before its id changes (0: always the nearest level).
+    """
+
+    codec_id = "dynaquant"
+    lossless = False
+
+    def __init__(
+        self,
+        bins: int = 16,
+        prune: float = 0.0,
+        protect: float = 0.0,
+        sigma: float = 0.2,
+        domain: str = LINEAR,
+        stickiness: float = 0.0,
+    ) -> None:
+        if isinstance(bins, bool) or not isinstance(bins, int) or not 1 <= bins <= _MAX_BINS:
+            raise ValueError(f"bins must be an int in [1, {_MAX_BINS}], got {bins!r}")
+        if domain not in DOMAINS:
+            raise ValueError(f"domain must be one of {DOMAINS}, got {domain!r}")
+        if isinstance(stickiness, bool) or not isinstance(stickiness, (int, float)) or not 0 <= stickiness <= 4:
+            raise ValueError(f"stickiness must be in [0, 4], got {stickiness!r}")
+        if isinstance(sigma, bool) or not isinstance(sigma, (int, float)) or not 0 <= sigma <= 1:
+            raise ValueError(f"sigma must be in [0, 1], got {sigma!r}")
+        self.bins = bins
+        self.prune = _fraction("prune", prune)
+        self.protect = _fraction("protect", protect)
+        self.sigma = float(sigma)
+        self.domain = domain
+        self.stickiness = float(stickiness)
+        self._hints: dict[str, Any] = {}
+        self._fitted: Optional[LevelTable] = None
+
+    def with_hints(
+        self,
+        keys: Optional[torch.Tensor] = None,
+        counts: Optional[torch.Tensor] = None,
+        centroids: Optional[torch.Tensor] = None,
+        init: Optional[torch.Tensor] = None,
+        prune_below: Optional[int] = None,
+        protect_above: Optional[int] = None,
+        prune_mask: Optional[torch.Tensor] = None,
+        protect_mask: Optional[torch.Tensor] = None,
+        stats: Optional[EntropyStats] = None,
+    ) -> "DynaQuantCodec":
+        """A copy that encodes with what a policy already knows about the tensor.
+
+        ``keys`` / ``counts``: its signed sketch keys and their histogram; ``centroids``:
+        ready levels (else k-means, warm-started from ``init``); ``prune_below`` /
+        ``protect_above``: magnitude-key thresholds (else the codec's fractions);
+        ``prune_mask`` / ``protect_mask``: element masks on top; ``stats``: collects the
+        entropy stage's figures. Hints steer the encoder only.
+        """
+        codec = type(self).from_config(self.get_config())
+        codec._hints = {
+            name: value
+            for name, value in (
+                ("keys", keys), ("counts", counts), ("centroids", centroids), ("init", init),
+                ("prune_below", prune_below), ("protect_above", protect_above),
+                ("prune_mask", prune_mask), ("protect_mask", protect_mask), ("stats", stats),
+            )
+            if value is not None
+        }
+        return codec
+
+    def get_config(self) -> dict[str, Any]:
+        """The options that differ from the defaults (files hold one config per tensor)."""
+        config = super().get_config()
+        return {k: v for k, v in config.items() if k == "id" or _DEFAULTS.get(k, object()) != v}
+
+    @property
+    def fitted_table(self) -> Optional[LevelTable]:
+        """The levels of the last encode (for warm-starting the next checkpoint's k-means)."""
+        return self._fitted
+
+    # -- encoding -----------------------------------------------------------------
+
+    def _table(self, keys: torch.Tensor) -> LevelTable:
+        hints = self._hints
+        counts = hints.get("counts")
+        if counts is None:
+            counts = torch.bincount(keys, minlength=SIGNED_KEYS)
+        counts = counts.cpu()
+        prune_below, protect_above = magnitude_thresholds(counts, self.prune, self.protect)
+        prune_below = hints.get("prune_below", prune_below)
+        protect_above = hints.get("protect_above", protect_above)
+        centroids = hints.get("centroids")
+        if centroids is None:
+            kept = kept_counts(counts, prune_below, protect_above)
+            centroids = fit_centroids(kept, self.bins, self.sigma, self.domain, hints.get("init"))
+        return make_level_table(centroids, self.domain, prune_below, protect_above)
+
+    def _encode(self, tensor: torch.Tensor, reference: Optional[torch.Tensor]) -> Encoded:
+        if not tensor.dtype.is_floating_point:
+            raise ValueError(f"{self.codec_id} stores floating tensors only, got {tensor.dtype}")
+        flat = tensor.detach().reshape(-1)
+        keys = self._hints.get("keys")
+        if keys is None or keys.numel() != flat.numel():
+            keys = signed_keys(flat)
+        table = self._table(keys)
+        if table.count > MAX_LEVELS:
+            raise ValueError(f"{table.count} levels exceed the id coder's {MAX_LEVELS}")
+        self._fitted = table
+        lookup = table.lookup(flat.device)
+        ids = assign_ids(keys, lookup, table, self._hints.get("prune_mask"), self._hints.get("protect_mask"))
+        predicted = changed = None
+        fingerprint = 0
+        if reference is not None:
+            fingerprint = reference_fingerprint(reference)
+            predicted = lookup.index_select(0, signed_keys(reference))
+            changed = torch.nonzero(ids != predicted).reshape(-1)
+            if self.stickiness > 0 and changed.numel():
+                keep = stick_to_predicted(flat, changed, ids, predicted, table, self.stickiness)
+                if bool(keep.any()):
+                    ids[changed[keep]] = predicted[changed[keep]]
+                    changed = changed[~keep]
+        protected_positions = torch.nonzero(ids == table.protect_id).reshape(-1)
+        code, protected_dtype = (1, torch.float16) if tensor.dtype == torch.float16 else (0, torch.bfloat16)
+        protected = flat[protected_positions].to(protected_dtype)
+        rearrange = predicted is not None and ids.numel() <= REARRANGE_MAX_ELEMENTS
+        id_stream = encode_bucket_ids(
+            ids.cpu(), table.count, None if predicted is None else predicted.cpu(), rearrange,
+            self._hints.get("stats"), None if changed is None else changed.cpu(),
+        )
+        head = _LAYOUT.pack(
+            _VERSION, _DOMAIN_CODES[table.domain], code, 0, table.values.numel(), table.zero_index,
+            table.prune_below, table.protect_above, fingerprint, protected.numel(), len(id_stream),
+        )
+        values_bytes = table.values.contiguous().numpy().tobytes()
+        protected_bytes = protected.cpu().contiguous().view(torch.uint8).numpy().tobytes()
+        rebuilt = reconstruct(ids, table, protected, tensor.dtype, tuple(tensor.shape), protected_positions)
+        return Encoded(streams=[b"".join([head, values_bytes, protected_bytes, id_stream])], reconstruction=rebuilt)
+
+    def encode(self, tensor: torch.Tensor, reference: Optional[torch.Tensor] = None) -> Encoded:
+        return self._encode(tensor, None)
+
+    # -- decoding -----------------------------------------------------------------
+
+    def _decode(self, streams: Sequence[Any], spec: TensorSpec, reference: Optional[torch.Tensor]) -> torch.Tensor:
+        if len(streams) != 1:
+            raise CorruptCheckpointError(f"{self.codec_id}: expected 1 stream, got {len(streams)}")
+        if not spec.dtype.is_floating_point:
+            raise FormatError(f"{self.codec_id}: cannot decode into {spec.dtype}")
+        view = memoryview(streams[0]).cast("B")
+        if len(view) < _LAYOUT.size:
+            raise CorruptCheckpointError(f"{self.codec_id}: stream is shorter than its header")
+        (version, domain, code, reserved, count, zero_index, prune_below, protect_above, fingerprint,
+         protected_count, id_bytes) = _LAYOUT.unpack_from(view)
+        domains = {v: k for k, v in _DOMAIN_CODES.items()}
+        if version != _VERSION or domain not in domains or code not in _PROTECTED_DTYPES or reserved:
+            raise FormatError(f"{self.codec_id}: unknown stream version/domain/dtype ({version}, {domain}, {code})")
+        if not 1 <= count < MAX_LEVELS or zero_index >= count or protected_count > spec.numel:
+            raise FormatError(f"{self.codec_id}: header ({count} levels, zero at {zero_index}) is invalid")
+        if not 1 <= prune_below <= MAGNITUDE_KEYS or protect_above >= MAGNITUDE_KEYS:
+            raise FormatError(f"{self.codec_id}: thresholds ({prune_below}, {protect_above}) are invalid")
+        if (fingerprint != 0) != (reference is not None):
+            raise FormatError(f"{self.codec_id}: stream and codec disagree on whether there is a reference")
+        if reference is not None and fingerprint != reference_fingerprint(reference):
+            raise BrokenChainError(
+                f"{self.codec_id}: the reference differs from the tensor this delta was taken "
+                "against (fingerprint mismatch): decode it against the same previous checkpoint"
+            )
+        protected_dtype = _PROTECTED_DTYPES[code]
+        values_end = _LAYOUT.size + 4 * count
+        protected_end = values_end + protected_count * protected_dtype.itemsize
+        if protected_end + id_bytes != len(view):
+            raise CorruptCheckpointError(f"{self.codec_id}: stream size does not match its header")
+        values = torch.frombuffer(bytearray(view[_LAYOUT.size : values_end]), dtype=torch.float32)
+        if not bool(torch.isfinite(values).all()) or float(values[zero_index]) != 0.0:
+            raise CorruptCheckpointError(f"{self.codec_id}: level table is damaged")
+        if count > 1 and not bool((values[1:] >= values[:-1]).all()):
+            raise CorruptCheckpointError(f"{self.codec_id}: level table is not sorted")
+        table = LevelTable(values, zero_index, domains[domain], prune_below, protect_above)
+        if protected_count:
+            protected = torch.frombuffer(bytearray(view[values_end:protected_end]), dtype=protected_dtype)
+        else:
+            protected = torch.empty(0, dtype=protected_dtype)
+        predicted = None
+        if reference is not None:
+            predicted = table.lookup().index_select(0, signed_keys(reference.detach().reshape(-1).cpu()))
+        ids = decode_bucket_ids(view[protected_end:], table.count, spec.numel, predicted)
+        positions = torch.nonzero(ids == table.protect_id).reshape(-1)
+        if positions.numel() != protected_count:
+            raise CorruptCheckpointError(f"{self.codec_id}: protected ids and values disagree")
+        return reconstruct(ids, table, protected, spec.dtype, spec.shape, positions)
+
+    def decode(
+        self,
+        streams: Sequence[Any],
+        params: dict[str, Any],
+        spec: TensorSpec,
+        reference: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        return self._decode(streams, spec, None)
+
+
+@register_codec
+class DynaQuantDeltaCodec(DynaQuantCodec):
+    """:class:`DynaQuantCodec` with ids coded against the reference tensor (closed loop)."""
+
+    codec_id = "dynaquant_delta"
+    uses_reference = True
+
+    def _check_reference(self, spec: TensorSpec, reference: Optional[torch.Tensor]) -> torch.Tensor:
+        if reference is None:
+            raise BrokenChainError(f"{self.codec_id}: this tensor is a delta and its reference is missing")
+        if tuple(reference.shape) != spec.shape or not reference.dtype.is_floating_point:
+            raise BrokenChainError(
+                f"{self.codec_id}: the reference is {reference.dtype} {list(reference.shape)}, the "
+                f"delta was taken against a float tensor of shape {list(spec.shape)}"
+            )
+        return reference
+
+    def encode(self, tensor: torch.Tensor, reference: Optional[torch.Tensor] = None) -> Encoded:
+        return self._encode(tensor, self._check_reference(TensorSpec.of(tensor), reference))
+
+    def decode(
+        self,
+        streams: Sequence[Any],
+        params: dict[str, Any],
+        spec: TensorSpec,
+        reference: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        return self._decode(streams, spec, self._check_reference(spec, reference))

@@ -1,0 +1,259 @@
+"""Non-uniform quantization of a tensor: prune, protect, and k-means levels fitted on a sketch.
+
+Every element gets an integer *bucket id* from a :class:`LevelTable`:
+
+* pruned elements get the *zero level* (value exactly 0);
+* protected elements get the *protect id* (``count - 1``); their values travel
+  separately, in bf16 (or the tensor's own 16-bit dtype);
+* the rest get the nearest *centroid*; the centroids come from weighted k-means
+  over the tensor's log-histogram sketch (:mod:`.log_sketch`,
+  :mod:`.weighted_kmeans`), in the linear domain, or in the log2 domain for
+  positive tensors such as Adam's second moment (levels then stay positive and
+  the error is relative).
+
+The table maps every sketch key to an id: the nearest centroid of the key's
+bucket centre, except that magnitudes below ``prune_below`` (a magnitude key)
+map to the zero level and magnitudes above ``protect_above`` (and every
+non-finite value) to the protect id. So the id of an element is one table
+lookup by its key — the cheapest possible quantizer — and the decoder can
+recompute the ids of a reference tensor exactly, on any device, from integer
+arithmetic and comparisons only. Element masks (e.g. by sensitivity) can still
+override the lookup at the encoder.
+
+Ids are ordered like the values (the zero level sits between the negative and
+positive centroids), so small moves between checkpoints are small deltas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .bucket_delta import id_dtype
+from .log_sketch import MAGNITUDE_KEYS, SIGNED_KEYS, LogHistogram, signed_key_centres, signed_keys
+from .weighted_kmeans import histogram_sample_weights, weighted_kmeans_1d
+
+__all__ = [
+    "LINEAR",
+    "LOG",
+    "DOMAINS",
+    "FIRST_NON_FINITE_KEY",
+    "LevelTable",
+    "fit_centroids",
+    "make_level_table",
+    "assign_ids",
+    "stick_to_predicted",
+    "reconstruct",
+    "key_centres",
+]
+
+LINEAR, LOG = "linear", "log"
+DOMAINS = (LINEAR, LOG)
+#: Magnitude keys from here on hold infinities and NaNs (exponent bits all ones).
+FIRST_NON_FINITE_KEY = 255 << 6
+
+_CENTRES: dict[torch.device, torch.Tensor] = {}
+
+
+def key_centres(device: torch.device = torch.device("cpu")) -> torch.Tensor:
+    """The float64 bucket centre of every signed key (cached per device)."""
+    centres = _CENTRES.get(device)
+    if centres is None:
+        centres = signed_key_centres(torch.arange(SIGNED_KEYS, device=device))
+        _CENTRES[device] = centres
+    return centres
+
+
+@dataclass(frozen=True)
+class LevelTable:
+    """The reconstruction values of a quantized tensor and the key -> id map.
+
+    Attributes:
+        values: float32, sorted: the centroids with the zero level inserted at ``zero_index``;
+            id ``len(values)`` is the protect id.
+        zero_index: position of the zero level.
+        domain: ``"linear"`` or ``"log"`` (nearest centroid by value, or by log2 of it).
+        prune_below: magnitude keys below it map to the zero level (at least 1: zero itself).
+        protect_above: magnitude keys above it map to the protect id (non-finite ones always).
+    """
+
+    values: torch.Tensor
+    zero_index: int
+    domain: str = LINEAR
+    prune_below: int = 1
+    protect_above: int = FIRST_NON_FINITE_KEY - 1
+
+    @property
+    def count(self) -> int:
+        """Number of ids: the values plus the protect id."""
+        return self.values.numel() + 1
+
+    @property
+    def protect_id(self) -> int:
+        return self.values.numel()
+
+    def centroids(self) -> torch.Tensor:
+        """The non-zero levels (float32)."""
+        return torch.cat([self.values[: self.zero_index], self.values[self.zero_index + 1 :]])
+
+    def boundaries(self) -> torch.Tensor:
+        """Float64 decision boundaries between consecutive centroids.
+
+        Linear domain: arithmetic midpoints; log domain: geometric midpoints. Both are
+        correctly rounded IEEE operations, so every device computes the same bits.
+        """
+        centroids = self.centroids().double()
+        low, high = centroids[:-1], centroids[1:]
+        if self.domain == LOG:
+            return torch.sqrt(low * high)
+        return (low + high) / 2
+
+    def lookup(self, device: Optional[torch.device] = None) -> torch.Tensor:
+        """Signed key -> id (length ``SIGNED_KEYS``, :func:`id_dtype`)."""
+        device = device or self.values.device
+        centres = key_centres(device)
+        if self.values.numel() > 1:
+            nearest = torch.bucketize(centres, self.boundaries().to(device), right=False)
+            ids = nearest + (nearest >= self.zero_index).long()
+        else:
+            ids = torch.full((SIGNED_KEYS,), self.zero_index, dtype=torch.long, device=device)
+        magnitude = torch.arange(SIGNED_KEYS, device=device) & (MAGNITUDE_KEYS - 1)
+        protect = magnitude > min(self.protect_above, FIRST_NON_FINITE_KEY - 1)
+        if self.domain == LOG:
+            # Only positive values have a level in the log domain; negative ones are protected.
+            protect |= (torch.arange(SIGNED_KEYS, device=device) >= MAGNITUDE_KEYS) & (magnitude > 0)
+        ids = torch.where(magnitude < max(self.prune_below, 1), self.zero_index, ids)
+        ids = torch.where(protect, self.protect_id, ids)
+        return ids.to(id_dtype(self.count))
+
+    def to(self, device: torch.device) -> "LevelTable":
+        """The same table with its values on ``device``."""
+        return LevelTable(self.values.to(device), self.zero_index, self.domain, self.prune_below, self.protect_above)
+
+
+def fit_centroids(
+    counts: torch.Tensor,
+    bins: int,
+    sigma: float = 0.2,
+    domain: str = LINEAR,
+    init: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """At most ``bins`` sorted non-zero float32 centroids fitted to a signed-key histogram.
+
+    Linear domain: weighted k-means on the bucket centres with
+    :func:`histogram_sample_weights`; log domain: count-weighted k-means on log2 of the
+    positive bucket centres. ``init`` (``bins`` values) warm-starts the clustering.
+    """
+    if domain not in (LINEAR, LOG):
+        raise ValueError(f"domain must be one of {DOMAINS}, got {domain!r}")
+    occupied, centres, counts = LogHistogram(counts.cpu(), signed=True).occupied()
+    nonzero = (occupied != 0) & (occupied != MAGNITUDE_KEYS) & torch.isfinite(centres)
+    nonzero &= (occupied & (MAGNITUDE_KEYS - 1)) < FIRST_NON_FINITE_KEY
+    if domain == LOG:
+        nonzero &= centres > 0
+    centres, counts = centres[nonzero], counts[nonzero]
+    if init is not None:
+        init = init.detach().cpu().double()
+    if centres.numel() == 0:
+        return torch.empty(0, dtype=torch.float32)
+    if domain == LOG:
+        start = torch.log2(init) if init is not None and bool((init > 0).all()) else None
+        centroids = torch.exp2(weighted_kmeans_1d(torch.log2(centres), counts.double(), bins, init=start))
+    else:
+        weights = histogram_sample_weights(centres, counts, sigma)
+        centroids = weighted_kmeans_1d(centres, weights, bins, init=init)
+    centroids = torch.unique(centroids.to(torch.float32))
+    return centroids[(centroids != 0) & torch.isfinite(centroids)]
+
+
+def make_level_table(
+    centroids: torch.Tensor,
+    domain: str = LINEAR,
+    prune_below: int = 1,
+    protect_above: int = FIRST_NON_FINITE_KEY - 1,
+) -> LevelTable:
+    """The table of sorted non-zero ``centroids`` (the zero level is inserted)."""
+    centroids = torch.sort(centroids.detach().cpu().to(torch.float32)).values
+    zero_index = int((centroids < 0).sum())
+    values = torch.cat([centroids[:zero_index], torch.zeros(1, dtype=torch.float32), centroids[zero_index:]])
+    return LevelTable(values, zero_index, domain, max(int(prune_below), 1), int(protect_above))
+
+
+def assign_ids(
+    keys: torch.Tensor,
+    lookup: torch.Tensor,
+    table: LevelTable,
+    prune: Optional[torch.Tensor] = None,
+    protect: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """The id of every element from its signed key; element masks override (protect wins)."""
+    ids = lookup.index_select(0, keys.reshape(-1))
+    if prune is not None:
+        ids = ids.masked_fill(prune.reshape(-1), table.zero_index)
+    if protect is not None:
+        ids = ids.masked_fill(protect.reshape(-1), table.protect_id)
+    return ids
+
+
+def _domain_distance(values: torch.Tensor, levels: torch.Tensor, domain: str) -> torch.Tensor:
+    if domain == LOG:
+        return (torch.log2(values.abs().clamp_min(1e-38)) - torch.log2(levels.abs().clamp_min(1e-38))).abs()
+    return (values - levels).abs()
+
+
+def stick_to_predicted(
+    values: torch.Tensor,
+    positions: torch.Tensor,
+    ids: torch.Tensor,
+    predicted: torch.Tensor,
+    table: LevelTable,
+    stickiness: float,
+) -> torch.Tensor:
+    """Which of ``positions`` (where id and prediction differ) keep their predicted level.
+
+    An element keeps a predicted centroid level while its value lies within
+    ``(1 + stickiness)`` half-cells of that level, the half-cell measured towards the
+    level its own id names: fewer ids change between checkpoints, and the error of
+    such an element stays below ``(1 + stickiness)`` times the worst nearest-level error.
+    Returns a bool mask over ``positions``.
+    """
+    level = predicted[positions].long()
+    towards = ids[positions].long()
+    movable = (level != table.zero_index) & (level < table.protect_id)
+    movable &= (towards != table.zero_index) & (towards < table.protect_id)
+    if not bool(movable.any()):
+        return movable
+    subset = torch.nonzero(movable).reshape(-1)
+    level, towards = level[subset], towards[subset]
+    levels = table.values.to(values.device)
+    up = towards > level
+    neighbour = torch.where(up, level + 1, level - 1)
+    neighbour = torch.where(neighbour == table.zero_index, torch.where(up, neighbour + 1, neighbour - 1), neighbour)
+    neighbour = neighbour.clamp(0, levels.numel() - 1)
+    x = values[positions[subset]].float()
+    half_cell = _domain_distance(levels[neighbour], levels[level], table.domain) / 2
+    distance = _domain_distance(x, levels[level], table.domain)
+    keep = torch.zeros_like(movable)
+    keep[subset] = distance <= (1.0 + stickiness) * half_cell
+    return keep
+
+
+def reconstruct(
+    ids: torch.Tensor,
+    table: LevelTable,
+    protected_values: torch.Tensor,
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+    protected_positions: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """The dequantized tensor: level values by id, protected elements from ``protected_values``."""
+    ids = ids.reshape(-1)
+    values = torch.cat([table.values, torch.zeros(1, dtype=torch.float32)]).to(device=ids.device, dtype=dtype)
+    out = values.index_select(0, ids if ids.dtype in (torch.int32, torch.int64) else ids.int())
+    if protected_values.numel():
+        if protected_positions is None:
+            protected_positions = torch.nonzero(ids == table.protect_id).reshape(-1)
+        out[protected_positions] = protected_values.to(device=out.device, dtype=dtype)
+    return out.reshape(shape)

@@ -1,0 +1,328 @@
+"""DynaQuant: the Inshrinkerator system plus compressed optimizer state (the default policy).
+
+Per checkpoint:
+
+1. **Weights** (floating model parameters of at least ``min_numel`` values): a
+   configuration search (:mod:`.dynaquant_search`) picks bins, embedding bins, prune
+   fraction, prune metric (magnitude ``|w|`` or sensitivity ``|g w|``) and protect
+   fraction: the most compressive point whose quality stays within ``tolerance``.
+   Quality is the user's ``evaluate(model_state_dict)`` (lower is better; relative
+   change at most ``tolerance``) when given, else a proxy: the Fisher-weighted relative
+   reconstruction error ``sum(F (w_hat - w)^2) / sum(F w^2)``, ``F`` being the paired
+   Adam second moment (or the squared gradient average of a watched model, or 1),
+   which must stay below ``tolerance * PROXY_SCALE`` (calibrated on the benchmark
+   workloads: docs/dynaquant.md). The first checkpoint runs a guided search of the
+   whole cube; later ones search around the previous best and fall back to an
+   exhaustive search when nothing near it is feasible. Prune thresholds are shared per
+   layer type. Weights are stored by :class:`~inshrinkerator.codecs.DynaQuantDeltaCodec`
+   against the previous reconstruction (:class:`~inshrinkerator.codecs.DynaQuantCodec`
+   in a full checkpoint).
+2. **First moments** (Adam ``exp_avg``, SGD ``momentum_buffer``): ExCP's momentum
+   pruning — kept where ``|m| > first_moment_keep * mean(|m|)`` — and ``moment_bins``
+   levels for the rest; coded without a reference (they decorrelate between saves).
+3. **Second moments** (``exp_avg_sq``): ``second_moment_bins`` positive levels fitted
+   in the log2 domain (exact zeros stay zero), delta-coded like the weights.
+4. Everything else — step counters, ``param_groups``, integer tensors, buffers,
+   tensors smaller than ``min_numel`` — is stored losslessly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from ..codecs import Codec
+from ..codecs.bucket_delta import EntropyStats
+from ..codecs.dynaquant import DynaQuantCodec, DynaQuantDeltaCodec
+from ..codecs.log_sketch import MAGNITUDE_KEYS, SIGNED_KEYS, signed_keys
+from ..codecs.nonuniform_quantizer import LINEAR, LOG, key_centres
+from ..tree import TensorLeaf, format_key_path
+from .base import Policy
+from .dynaquant_search import ConfigurationCube, Point
+from .gradient_watch import GradientWatch
+from .lossless import Lossless
+from .quantization_trials import WeightTrial
+from .state_layout import StateLayout, TensorRole, layout_of
+
+__all__ = ["DynaQuant", "PROXY_SCALE", "SearchRecord"]
+
+#: Without ``evaluate``, the proxy must stay below ``tolerance * PROXY_SCALE``.
+PROXY_SCALE = 1.0
+
+_FIRST_ORDER = (TensorRole.FIRST_MOMENT, TensorRole.MOMENTUM_BUFFER)
+
+
+@dataclass
+class SearchRecord:
+    """What one save's configuration search did; its cost is ``evaluations`` and ``seconds``."""
+
+    kind: str  # "guided", "neighbourhood" or "neighbourhood+exhaustive"
+    evaluations: int
+    seconds: float
+    config: dict[str, Any]
+    quality: Optional[float]
+    feasible: bool
+
+
+@dataclass
+class _Memory:
+    """What the policy remembers between saves (not part of its identity)."""
+
+    watch: GradientWatch = field(default_factory=GradientWatch)
+    best: Optional[tuple[Point, str]] = None
+    centroids: dict[str, torch.Tensor] = field(default_factory=dict)
+    pending: dict[str, DynaQuantCodec] = field(default_factory=dict)
+    searches: list[SearchRecord] = field(default_factory=list)
+    entropy: EntropyStats = field(default_factory=EntropyStats)
+
+
+def _guess_layer_type(leaf: TensorLeaf) -> str:
+    if "embed" in format_key_path(leaf.path).lower():
+        return "embedding"
+    dims = leaf.tensor.dim()
+    return "conv" if dims >= 3 else "linear" if dims == 2 else "vector"
+
+
+def _check_grid(name: str, values: Any, kind: type, low: float, high: float) -> None:
+    if not isinstance(values, tuple) or not values:
+        raise ValueError(f"{name} must be a non-empty tuple, got {values!r}")
+    for value in values:
+        if isinstance(value, bool) or not isinstance(value, (kind, int)) or not low <= value <= high:
+            raise ValueError(f"{name}: {value!r} is not a {kind.__name__} in [{low}, {high}]")
+
+
+def _check_number(name: str, value: Any, low: float, high: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise ValueError(f"{name} must be a number in [{low}, {high}], got {value!r}")
+
+
+def _usable_reference(tensor: torch.Tensor, reference: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    if reference is None or reference.dtype != tensor.dtype or reference.shape != tensor.shape:
+        return None
+    return reference
+
+
+def _key_of(value: float) -> int:
+    """The magnitude key of a non-negative float."""
+    return int(signed_keys(torch.tensor([value], dtype=torch.float32))[0]) & (MAGNITUDE_KEYS - 1)
+
+
+@dataclass(frozen=True)
+class DynaQuant(Policy):
+    """Dynamic non-uniform quantization with a quality-controlled search (the default policy).
+
+    Args:
+        tolerance: the relative quality loss one checkpoint may cause (with ``evaluate``),
+            or, without it, the proxy budget in units of ``PROXY_SCALE``.
+        evaluate: ``evaluate(model_state_dict) -> float``, lower is better; called on
+            quantized models during the search.
+        bins, embedding_bins, prune, protect: the search grid, each from the least to the
+            most aggressive setting (the paper's grid by default).
+        sigma: k-means sample-weight balance between counts and magnitudes.
+        stickiness: how far (in half-cells) an element may drift past its bucket before its
+            id changes in a delta; more means smaller deltas and a little more error.
+        neighbourhood: search radius around the previous best, in cube steps.
+        moment_bins: levels of first moments and momentum buffers.
+        first_moment_keep: first moments are kept where ``|m| > first_moment_keep * mean|m|``.
+        second_moment_bins: log-domain levels of Adam's second moments.
+        min_numel: smaller tensors are stored losslessly.
+    """
+
+    tolerance: float = 0.01
+    evaluate: Optional[Callable[[dict[str, torch.Tensor]], float]] = field(default=None, compare=False)
+    bins: tuple[int, ...] = (32, 16, 12, 8, 6, 4)
+    embedding_bins: tuple[int, ...] = (32, 16)
+    prune: tuple[float, ...] = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5)
+    protect: tuple[float, ...] = (0.01, 0.005, 0.0005)
+    sigma: float = 0.2
+    stickiness: float = 0.5
+    neighbourhood: int = 1
+    moment_bins: int = 8
+    first_moment_keep: float = 2.0
+    second_moment_bins: int = 16
+    min_numel: int = 1024
+    name: str = "dynaquant"
+    _memory: _Memory = field(default_factory=_Memory, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        _check_number("tolerance", self.tolerance, 1e-12, 1e6)
+        if self.evaluate is not None and not callable(self.evaluate):
+            raise ValueError("evaluate must be a callable taking a model state_dict and returning a float")
+        _check_grid("bins", self.bins, int, 1, 1024)
+        _check_grid("embedding_bins", self.embedding_bins, int, 1, 1024)
+        _check_grid("prune", self.prune, float, 0.0, 0.99)
+        _check_grid("protect", self.protect, float, 0.0, 0.5)
+        _check_number("sigma", self.sigma, 0.0, 1.0)
+        _check_number("stickiness", self.stickiness, 0.0, 4.0)
+        _check_number("first_moment_keep", self.first_moment_keep, 0.0, 1e6)
+        for knob in ("neighbourhood", "moment_bins", "second_moment_bins", "min_numel"):
+            value = getattr(self, knob)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{knob} must be a positive int, got {value!r}")
+        for knob in ("moment_bins", "second_moment_bins"):
+            if getattr(self, knob) > 1024:
+                raise ValueError(f"{knob} must be at most 1024")
+
+    # ------------------------------------------------------------------ public
+
+    def watch(self, model: torch.nn.Module) -> None:
+        """Average ``model``'s gradients from now on (sensitivity scores, Fisher weights)."""
+        self._memory.watch.attach(model)
+
+    @property
+    def search_log(self) -> list[SearchRecord]:
+        """One record per save that searched (evaluations, seconds, chosen configuration)."""
+        return list(self._memory.searches)
+
+    @property
+    def entropy_stats(self) -> EntropyStats:
+        """The entropy stage's bytes against the order-0 entropy of its symbols, so far."""
+        return self._memory.entropy
+
+    def plan(
+        self,
+        leaves: Sequence[TensorLeaf],
+        references: Sequence[Optional[torch.Tensor]],
+    ) -> list[Codec]:
+        codecs = Lossless().plan(leaves, references)
+        layout = layout_of(leaves)
+        self._harvest_levels()
+        eligible = [
+            leaf.tensor.dtype.is_floating_point and leaf.tensor.numel() >= self.min_numel for leaf in leaves
+        ]
+        self._plan_weights(leaves, references, layout, eligible, codecs)
+        self._plan_moments(leaves, references, layout, eligible, codecs)
+        return codecs
+
+    # ----------------------------------------------------------------- weights
+
+    def _trial(self, leaves: Sequence[TensorLeaf], layout: StateLayout, index: int) -> WeightTrial:
+        watch = self._memory.watch
+        leaf = leaves[index]
+        gradient = watch.gradient_average(leaf) if watch.watching else None
+        second = layout.optimizer_state_of(index).get(TensorRole.SECOND_MOMENT)
+        fisher = None
+        if second is not None and leaves[second].tensor.shape == leaf.tensor.shape:
+            fisher = leaves[second].tensor.detach()
+        elif gradient is not None:
+            fisher = gradient.float() ** 2
+        sensitivity = (gradient.float() * leaf.tensor.detach().float()).abs() if gradient is not None else None
+        layer_type = (watch.layer_type(leaf) if watch.watching else None) or _guess_layer_type(leaf)
+        trial = WeightTrial(leaf.tensor, layer_type, fisher, sensitivity, self.sigma)
+        if not torch.isfinite(trial.mass).all() or not torch.isfinite(torch.tensor(trial.total)):
+            trial = WeightTrial(leaf.tensor, layer_type, None, sensitivity, self.sigma)
+        return trial
+
+    def _plan_weights(
+        self,
+        leaves: Sequence[TensorLeaf],
+        references: Sequence[Optional[torch.Tensor]],
+        layout: StateLayout,
+        eligible: list[bool],
+        codecs: list[Codec],
+    ) -> None:
+        indices = [i for i in layout.indices(TensorRole.WEIGHT) if eligible[i]]
+        if not indices:
+            return
+        started = time.perf_counter()
+        keys = {i: format_key_path(leaves[i].path) for i in indices}
+        trials = {i: self._trial(leaves, layout, i) for i in indices}
+        init = {i: self._memory.centroids[keys[i]] for i in indices if keys[i] in self._memory.centroids}
+        budget = self.tolerance * (PROXY_SCALE if self.evaluate is None else 1.0)
+        cube = ConfigurationCube(
+            trials, leaves, self.bins, self.embedding_bins, self.prune, self.protect, budget, self.evaluate, init
+        )
+        point, metric, kind = cube.search(self._memory.best, self.neighbourhood)
+        record = SearchRecord(
+            kind=kind,
+            evaluations=cube.evaluations,
+            seconds=time.perf_counter() - started,
+            config=cube.describe(point, metric) if point is not None else {},
+            quality=cube.quality(point, metric) if point is not None else None,
+            feasible=point is not None,
+        )
+        self._memory.searches.append(record)
+        if point is None:
+            return  # nothing meets the tolerance: the weights stay lossless this time
+        self._memory.best = (point, metric)
+        for index in indices:
+            result = cube.result(index, point, metric)
+            trial = trials[index]
+            table = result.table
+            self._memory.centroids[keys[index]] = table.centroids()
+            reference = _usable_reference(leaves[index].tensor, references[index])
+            codec_type = DynaQuantDeltaCodec if reference is not None else DynaQuantCodec
+            codec = codec_type(
+                bins=cube.config(index, point, metric).bins, prune=0.0, protect=0.0,
+                sigma=self.sigma, stickiness=self.stickiness,
+            )
+            codecs[index] = codec.with_hints(
+                keys=trial.keys,
+                counts=trial.counts,
+                centroids=table.centroids(),
+                prune_below=table.prune_below,
+                protect_above=table.protect_above,
+                prune_mask=result.prune_mask,
+                protect_mask=result.protect_mask,
+                stats=self._memory.entropy,
+            )
+
+    # ----------------------------------------------------------------- moments
+
+    def _harvest_levels(self) -> None:
+        # Warm-start this save's k-means from the levels the last save's codecs fitted.
+        for key, codec in self._memory.pending.items():
+            table = codec.fitted_table
+            if table is not None:
+                self._memory.centroids[key] = table.centroids()
+        self._memory.pending.clear()
+
+    def _plan_moments(
+        self,
+        leaves: Sequence[TensorLeaf],
+        references: Sequence[Optional[torch.Tensor]],
+        layout: StateLayout,
+        eligible: list[bool],
+        codecs: list[Codec],
+    ) -> None:
+        for index, role in enumerate(layout.roles):
+            if not eligible[index] or role not in (*_FIRST_ORDER, TensorRole.SECOND_MOMENT):
+                continue
+            tensor = leaves[index].tensor.detach()
+            key = format_key_path(leaves[index].path)
+            keys = signed_keys(tensor)
+            counts = torch.bincount(keys, minlength=SIGNED_KEYS).cpu()
+            if role in _FIRST_ORDER:
+                codec: DynaQuantCodec = DynaQuantCodec(bins=self.moment_bins, prune=0.0, protect=0.0, sigma=self.sigma)
+                extra: dict[str, Any] = {"prune_below": self._first_moment_cut(counts)}
+                bins = self.moment_bins
+            else:
+                reference = _usable_reference(tensor, references[index])
+                codec_type = DynaQuantDeltaCodec if reference is not None else DynaQuantCodec
+                codec = codec_type(
+                    bins=self.second_moment_bins, prune=0.0, protect=0.0, domain=LOG, stickiness=self.stickiness
+                )
+                extra = {}
+                bins = self.second_moment_bins
+            init = self._memory.centroids.get(key)
+            codec = codec.with_hints(
+                keys=keys, counts=counts, init=init if init is not None and init.numel() == bins else None,
+                stats=self._memory.entropy, **extra,
+            )
+            codecs[index] = codec
+            self._memory.pending[key] = codec
+
+    def _first_moment_cut(self, counts: torch.Tensor) -> int:
+        """Magnitude key of ``first_moment_keep * mean|m|``, the mean read from the sketch."""
+        centres = key_centres().abs()
+        finite = (torch.arange(SIGNED_KEYS) & (MAGNITUDE_KEYS - 1)) < (255 << 6)
+        total = float(counts[finite].sum())
+        if total == 0:
+            return 1
+        mean = float((counts[finite].double() * centres[finite]).sum()) / total
+        # Keep |m| > cut: prune the keys up to and including the cut's own bucket.
+        return max(_key_of(self.first_moment_keep * mean) + 1, 1) if self.first_moment_keep > 0 else 1

@@ -1,0 +1,378 @@
+"""Searching DynaQuant's configuration cube for the most compressive feasible configuration.
+
+The cube has one axis per knob (bins, embedding bins, prune fraction, protect
+fraction), each ordered from the least to the most aggressive setting, so that
+quality can only get worse along every axis: if a point is infeasible (quality
+outside the tolerance) every point at least as aggressive on all axes is too, and
+if it is feasible every point at most as aggressive is too. The
+:class:`MonotoneOracle` exploits that to answer many questions without
+evaluating, and counts the evaluations it does make (the search cost).
+
+* :func:`guided_search` (first checkpoint): branch and bound over boxes of the
+  cube. A box whose least aggressive corner is infeasible is dropped; one whose
+  most aggressive corner is feasible is solved by that corner; otherwise a binary
+  search along its diagonal finds the last feasible and first infeasible points
+  and the box is split around the latter. Boxes are visited best bound first, and
+  skipped when their best corner cannot beat the best found so far.
+* :func:`neighbourhood_search` (later checkpoints): the points within a few steps
+  of the previous best, by decreasing estimated compression, first feasible wins.
+* :func:`exhaustive_search`: every point by decreasing estimated compression,
+  first feasible wins (dominance still skips evaluations); the fallback when the
+  neighbourhood holds nothing feasible.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+import torch
+
+from ..codecs.nonuniform_quantizer import assign_ids, reconstruct
+from ..tree import TensorLeaf
+from .quantization_trials import MAGNITUDE, SENSITIVITY, TrialConfig, TrialResult, WeightTrial, quantile_key
+
+__all__ = [
+    "ConfigurationCube",
+    "Point",
+    "MonotoneOracle",
+    "cube_points",
+    "guided_search",
+    "neighbourhood_search",
+    "exhaustive_search",
+]
+
+Point = tuple[int, ...]
+
+
+def _dominates(a: Point, b: Point) -> bool:
+    """``a`` is at least as aggressive as ``b`` on every axis."""
+    return all(x >= y for x, y in zip(a, b))
+
+
+class MonotoneOracle:
+    """Feasibility of cube points, evaluated at most once each and inferred by dominance.
+
+    Args:
+        feasible: the expensive test of one point.
+    """
+
+    def __init__(self, feasible: Callable[[Point], bool]) -> None:
+        self._feasible = feasible
+        self._known: dict[Point, bool] = {}
+        self._yes: list[Point] = []
+        self._no: list[Point] = []
+        self.evaluations = 0
+
+    def infer(self, point: Point) -> Optional[bool]:
+        """What is known about ``point`` without evaluating it (``None``: unknown)."""
+        if point in self._known:
+            return self._known[point]
+        if any(_dominates(yes, point) for yes in self._yes):
+            return True
+        if any(_dominates(point, no) for no in self._no):
+            return False
+        return None
+
+    def __call__(self, point: Point) -> bool:
+        known = self.infer(point)
+        if known is not None:
+            return known
+        self.evaluations += 1
+        result = bool(self._feasible(point))
+        self._known[point] = result
+        (self._yes if result else self._no).append(point)
+        return result
+
+
+def cube_points(shape: Sequence[int]) -> list[Point]:
+    """Every point of a cube with ``shape[i]`` levels on axis ``i``."""
+    return [tuple(p) for p in itertools.product(*(range(n) for n in shape))]
+
+
+def _diagonal(lo: Point, hi: Point) -> list[Point]:
+    steps = max(h - l for l, h in zip(lo, hi))
+    points = []
+    for t in range(steps + 1):
+        point = tuple(l + round((h - l) * t / steps) if steps else l for l, h in zip(lo, hi))
+        if not points or points[-1] != point:
+            points.append(point)
+    return points
+
+
+def guided_search(
+    shape: Sequence[int],
+    oracle: MonotoneOracle,
+    score: Callable[[Point], float],
+    start: Optional[Point] = None,
+) -> Optional[Point]:
+    """The best-scoring feasible point of the cube (``None`` if even the least aggressive fails).
+
+    ``score`` estimates the compression of a point (higher is better) and should grow
+    with aggressiveness; it steers the order and the bound. ``start`` (default: the
+    origin) is the least aggressive corner considered.
+    """
+    lo0 = tuple(start) if start is not None else tuple(0 for _ in shape)
+    hi0 = tuple(n - 1 for n in shape)
+    best: Optional[Point] = None
+    counter = itertools.count()
+    heap = [(-score(hi0), next(counter), lo0, hi0)]
+    while heap:
+        bound, _, lo, hi = heapq.heappop(heap)
+        if best is not None and -bound <= score(best):
+            continue
+        if not oracle(lo):
+            continue
+        if best is None or score(lo) > score(best):
+            best = lo
+        if oracle(hi):
+            if score(hi) > score(best):
+                best = hi
+            continue
+        diagonal = _diagonal(lo, hi)
+        low, high = 0, len(diagonal) - 1  # diagonal[low] feasible, diagonal[high] infeasible
+        while high - low > 1:
+            middle = (low + high) // 2
+            if oracle(diagonal[middle]):
+                low = middle
+            else:
+                high = middle
+        feasible_point, split = diagonal[low], diagonal[high]
+        if score(feasible_point) > score(best):
+            best = feasible_point
+        # Split around the first infeasible point: per axis, below it or at/above it.
+        for sides in itertools.product((0, 1), repeat=len(shape)):
+            if all(sides):
+                continue  # at least as aggressive as an infeasible point
+            box_lo = tuple(s if side else l for l, s, side in zip(lo, split, sides))
+            box_hi = tuple(h if side else s - 1 for h, s, side in zip(hi, split, sides))
+            if any(a > b for a, b in zip(box_lo, box_hi)):
+                continue
+            if _dominates(feasible_point, box_hi):
+                continue  # everything in it is dominated by a known feasible point
+            heapq.heappush(heap, (-score(box_hi), next(counter), box_lo, box_hi))
+    return best
+
+
+def neighbourhood_search(
+    shape: Sequence[int],
+    oracle: MonotoneOracle,
+    score: Callable[[Point], float],
+    centre: Point,
+    radius: int = 1,
+    allow_more_aggressive: bool = False,
+) -> Optional[Point]:
+    """The best-scoring feasible point within ``radius`` steps (per axis) of ``centre``.
+
+    Points strictly more aggressive than ``centre`` on every axis that moved are left
+    out unless ``allow_more_aggressive`` (a model's precision needs only grow in training).
+    """
+    ranges = [range(max(0, c - radius), min(n - 1, c + radius) + 1) for c, n in zip(centre, shape)]
+    candidates = []
+    for point in itertools.product(*ranges):
+        if not allow_more_aggressive and point != centre and _dominates(point, centre):
+            continue
+        candidates.append(point)
+    candidates.sort(key=score, reverse=True)
+    for point in candidates:
+        if oracle(point):
+            return point
+    return None
+
+
+def exhaustive_search(
+    shape: Sequence[int], oracle: MonotoneOracle, score: Callable[[Point], float]
+) -> Optional[Point]:
+    """The best-scoring feasible point, trying every point by decreasing score."""
+    for point in sorted(cube_points(shape), key=score, reverse=True):
+        if oracle(point):
+            return point
+    return None
+
+
+def _fraction_keys(counts: torch.Tensor, fractions: Sequence[float]) -> dict[float, int]:
+    return {fraction: max(quantile_key(counts, fraction), 0) for fraction in fractions}
+
+
+class ConfigurationCube:
+    """DynaQuant's cube for one save: axes, per-layer-type thresholds, trials and quality.
+
+    Axes (least to most aggressive): bins, embedding bins, prune fraction, protect
+    fraction; the prune metric (magnitude / sensitivity) is searched as two cubes.
+    Quality is the proxy (Fisher-weighted relative squared error) or, when
+    ``evaluate`` is given, the relative change of ``evaluate(model_state_dict)``.
+
+    Args:
+        trials: leaf index -> its :class:`WeightTrial`.
+        leaves: the state's leaves (the model state_dict handed to ``evaluate`` is read
+            from them).
+        bins, embedding_bins, prune, protect: the axes.
+        budget: the largest feasible quality value.
+        evaluate: the user's quality function, or None for the proxy.
+        init: leaf index -> previous centroids (warm start).
+    """
+
+    def __init__(
+        self,
+        trials: dict[int, WeightTrial],
+        leaves: Sequence[TensorLeaf],
+        bins: Sequence[int],
+        embedding_bins: Sequence[int],
+        prune: Sequence[float],
+        protect: Sequence[float],
+        budget: float,
+        evaluate: Optional[Callable[[dict[str, torch.Tensor]], float]] = None,
+        init: Optional[dict[int, torch.Tensor]] = None,
+    ) -> None:
+        self.trials = trials
+        self.leaves = leaves
+        self.embedding = {i for i, t in trials.items() if t.layer_type == "embedding"}
+        self.axes: list[tuple] = [
+            tuple(bins),
+            tuple(embedding_bins) if self.embedding else (None,),
+            tuple(prune),
+            tuple(protect),
+        ]
+        self.shape = tuple(len(axis) for axis in self.axes)
+        self.metrics = [MAGNITUDE] + ([SENSITIVITY] if any(t.has_sensitivity for t in trials.values()) else [])
+        self.budget = budget
+        self.evaluate = evaluate
+        self.init = init or {}
+        self.total_mass = sum(t.total for t in trials.values()) or 1.0
+        self.evaluations = 0
+        self._thresholds: dict[tuple[str, str], dict[float, int]] = {}
+        self._baseline: Optional[float] = None
+        self._quality: dict[tuple[Point, str], float] = {}
+        self.oracles = {metric: MonotoneOracle(lambda p, m=metric: self.feasible(p, m)) for metric in self.metrics}
+
+    # -- one tensor at one point
+    def config(self, index: int, point: Point, metric: str) -> TrialConfig:
+        bins = self.axes[1][point[1]] if index in self.embedding else self.axes[0][point[0]]
+        return TrialConfig(bins=bins, prune=self.axes[2][point[2]], protect=self.axes[3][point[3]], metric=metric)
+
+    def describe(self, point: Point, metric: str) -> dict[str, Any]:
+        return {
+            "bins": self.axes[0][point[0]],
+            "embedding_bins": self.axes[1][point[1]],
+            "prune": self.axes[2][point[2]],
+            "protect": self.axes[3][point[3]],
+            "metric": metric,
+        }
+
+    def _threshold(self, layer_type: str, metric: str, fraction: float) -> int:
+        key = (layer_type, metric)
+        if key not in self._thresholds:
+            members = [t for t in self.trials.values() if t.layer_type == layer_type]
+            if metric == SENSITIVITY:
+                counts = [t.sensitivity_counts for t in members if t.sensitivity_counts is not None]
+            else:
+                counts = [t.magnitude_counts for t in members]
+            merged = torch.stack(counts).sum(0)
+            self._thresholds[key] = _fraction_keys(merged, self.axes[2])
+        return self._thresholds[key][fraction]
+
+    def result(self, index: int, point: Point, metric: str) -> TrialResult:
+        trial = self.trials[index]
+        config = self.config(index, point, metric)
+        if metric == SENSITIVITY and not trial.has_sensitivity:
+            config = TrialConfig(config.bins, config.prune, config.protect, MAGNITUDE)
+        threshold = self._threshold(trial.layer_type, config.metric, config.prune)
+        init = self.init.get(index)
+        if init is not None and init.numel() != config.bins:
+            init = None
+        return trial.run(config, threshold, init)
+
+    # -- quality and feasibility
+    def quality(self, point: Point, metric: str) -> float:
+        """Proxy: Fisher-weighted relative squared error; with ``evaluate``: relative quality loss."""
+        key = (point, metric)
+        if key not in self._quality:
+            if self.evaluate is None:
+                error = sum(self.result(i, point, metric).error for i in self.trials)
+                self._quality[key] = error / self.total_mass
+            else:
+                self._quality[key] = self._evaluated_loss(point, metric)
+        return self._quality[key]
+
+    def feasible(self, point: Point, metric: str) -> bool:
+        self.evaluations += 1
+        return self.quality(point, metric) <= self.budget
+
+    def _model_state(self, replace: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
+        # The model state_dict: the leaves under the key-path prefix holding the most weights.
+        prefixes: dict[tuple, int] = {}
+        for index in self.trials:
+            prefix = self.leaves[index].path[:-1]
+            prefixes[prefix] = prefixes.get(prefix, 0) + 1
+        prefix = max(prefixes, key=lambda p: prefixes[p])
+        return {
+            str(leaf.path[-1]): replace.get(index, leaf.tensor)
+            for index, leaf in enumerate(self.leaves)
+            if leaf.path[:-1] == prefix and leaf.path
+        }
+
+    def _evaluated_loss(self, point: Point, metric: str) -> float:
+        if self._baseline is None:
+            self._baseline = float(self.evaluate(self._model_state({})))  # type: ignore[misc]
+        quantized = {i: self.dequantize(i, point, metric) for i in self.trials}
+        value = float(self.evaluate(self._model_state(quantized)))  # type: ignore[misc]
+        if not math.isfinite(value):
+            return math.inf
+        return (value - self._baseline) / max(abs(self._baseline), 1e-12)
+
+    def dequantize(self, index: int, point: Point, metric: str) -> torch.Tensor:
+        """The weight as the configuration stores it (nearest levels, no delta stickiness)."""
+        trial, result = self.trials[index], self.result(index, point, metric)
+        table = result.table
+        ids = assign_ids(trial.keys, table.lookup(trial.flat.device), table, result.prune_mask, result.protect_mask)
+        positions = torch.nonzero(ids == table.protect_id).reshape(-1)
+        tensor = self.leaves[index].tensor
+        protected = trial.flat[positions].to(torch.float16 if tensor.dtype == torch.float16 else torch.bfloat16)
+        return reconstruct(ids, table, protected, tensor.dtype, tuple(tensor.shape), positions)
+
+    # -- compression estimate (steers the search; grows with aggressiveness)
+    def score(self, point: Point) -> float:
+        prune, protect = self.axes[2][point[2]], self.axes[3][point[3]]
+        bits = 0.0
+        for index, trial in self.trials.items():
+            bins = self.axes[1][point[1]] if index in self.embedding else self.axes[0][point[0]]
+            bits += trial.numel * ((1.0 - prune) * math.log2(bins + 1) + 16.0 * protect)
+        return -bits
+
+    # -- the searches
+    def search(self, previous: Optional[tuple[Point, str]], radius: int) -> tuple[Optional[Point], str, str]:
+        """``(point, metric, kind)``: guided search the first time, neighbourhood search after."""
+        valid = previous is not None and len(previous[0]) == len(self.shape) and all(
+            0 <= p < n for p, n in zip(previous[0], self.shape)
+        )
+        if valid:
+            centre, metric = previous  # type: ignore[misc]
+            if metric not in self.metrics:
+                metric = MAGNITUDE
+            for other in self.metrics:
+                # Switch metric when the other one is clearly better at the same point.
+                if other != metric and self.quality(centre, other) < 0.8 * self.quality(centre, metric):
+                    metric = other
+            found = neighbourhood_search(self.shape, self.oracles[metric], self.score, centre, radius)
+            if found is not None:
+                return found, metric, "neighbourhood"
+            best = self._best_over_metrics(exhaustive_search)
+            kind = "neighbourhood+exhaustive"
+        else:
+            best = self._best_over_metrics(guided_search)
+            kind = "guided"
+        return (best[0], best[1], kind) if best is not None else (None, MAGNITUDE, kind)
+
+    def _best_over_metrics(self, method: Callable[..., Optional[Point]]) -> Optional[tuple[Point, str]]:
+        found = []
+        for metric in self.metrics:
+            point = method(self.shape, self.oracles[metric], self.score)
+            if point is not None:
+                found.append((self.score(point), -self.quality(point, metric), point, metric))
+        if not found:
+            return None
+        _, _, point, metric = max(found)
+        return point, metric

@@ -1,0 +1,147 @@
+"""Gradient statistics for sensitivity-aware quantization, collected by hooks on a model.
+
+:class:`GradientWatch` registers a post-accumulate-grad hook on every trainable
+parameter of a watched model. After each backward pass the hook folds the new
+gradient into an exponential moving average, ``ema = beta * g + (1 - beta) * ema``
+(beta = 0.9 weights the *new* gradient, as in Inshrinkerator), so at save time the
+average reflects the last few steps before the save. The first-order Taylor
+estimate of a weight's importance is then ``|ema * w|``.
+
+The average lives on the parameter's device; updating it costs one fused
+elementwise pass per parameter per step. Leaves of a saved state are matched to
+parameters by storage (a ``state_dict`` shares it) or, for copied states (async
+saves), by the ``state_dict`` key and shape. The watch also records each
+parameter's module type, which the quantizer uses for per-layer-type thresholds.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Optional
+
+import torch
+
+from ..tree import TensorLeaf
+
+__all__ = ["GradientWatch", "layer_type_of_module"]
+
+_LAYER_TYPES = (
+    ("Embedding", "embedding"),
+    ("Conv", "conv"),
+    ("Linear", "linear"),
+    ("Norm", "norm"),
+    ("MultiheadAttention", "attention"),
+)
+
+
+def layer_type_of_module(module: torch.nn.Module) -> str:
+    """``"embedding"``, ``"conv"``, ``"linear"``, ``"norm"``, ``"attention"`` or ``"other"``."""
+    name = type(module).__name__
+    for marker, kind in _LAYER_TYPES:
+        if marker in name:
+            return kind
+    return "other"
+
+
+class _Entry:
+    __slots__ = ("name", "parameter", "average", "layer_type", "steps")
+
+    def __init__(self, name: str, parameter: torch.nn.Parameter, layer_type: str) -> None:
+        self.name = name
+        self.parameter = weakref.ref(parameter)
+        self.average: Optional[torch.Tensor] = None
+        self.layer_type = layer_type
+        self.steps = 0
+
+
+class GradientWatch:
+    """Moving averages of the gradients of watched models' parameters.
+
+    Args:
+        beta: weight of the newest gradient in the average (0 < beta <= 1).
+    """
+
+    def __init__(self, beta: float = 0.9) -> None:
+        if not 0.0 < beta <= 1.0:
+            raise ValueError(f"beta must be in (0, 1], got {beta}")
+        self.beta = beta
+        self._entries: list[_Entry] = []
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._lock = threading.Lock()
+
+    def attach(self, model: torch.nn.Module) -> None:
+        """Start averaging the gradients of ``model``'s trainable parameters.
+
+        Watching a new model (e.g. rebuilt after a restore) replaces the previous one.
+        """
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"watch() needs a torch.nn.Module, got {type(model).__name__}")
+        self.detach()
+        owners = {}
+        for module_name, module in model.named_modules():
+            for parameter_name, parameter in module.named_parameters(recurse=False):
+                full = f"{module_name}.{parameter_name}" if module_name else parameter_name
+                owners[full] = layer_type_of_module(module)
+        for name, parameter in model.named_parameters():
+            if not parameter.requires_grad or not parameter.dtype.is_floating_point:
+                continue
+            entry = _Entry(name, parameter, owners.get(name, "other"))
+            self._entries.append(entry)
+            self._handles.append(parameter.register_post_accumulate_grad_hook(self._hook(entry)))
+
+    def _hook(self, entry: _Entry):  # noqa: ANN202 - a torch hook
+        beta = self.beta
+
+        @torch.no_grad()
+        def update(parameter: torch.Tensor) -> None:
+            grad = parameter.grad
+            if grad is None or grad.is_sparse:
+                return
+            with self._lock:
+                if entry.average is None or entry.average.shape != grad.shape:
+                    entry.average = grad.detach().clone()
+                else:
+                    entry.average.mul_(1.0 - beta).add_(grad, alpha=beta)
+                entry.steps += 1
+
+        return update
+
+    def detach(self) -> None:
+        """Remove the hooks and forget the averages."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._entries.clear()
+
+    @property
+    def watching(self) -> bool:
+        return bool(self._entries)
+
+    def _find(self, leaf: TensorLeaf) -> Optional[_Entry]:
+        tensor = leaf.tensor
+        pointer = tensor.untyped_storage().data_ptr() if tensor.numel() else None
+        name = leaf.path[-1] if leaf.path and isinstance(leaf.path[-1], str) else None
+        by_name = None
+        for entry in self._entries:
+            parameter = entry.parameter()
+            if parameter is None or tuple(parameter.shape) != tuple(tensor.shape):
+                continue
+            if pointer is not None and parameter.untyped_storage().data_ptr() == pointer:
+                return entry
+            if name is not None and by_name is None and (entry.name == name or name.endswith("." + entry.name)):
+                by_name = entry
+        return by_name
+
+    def gradient_average(self, leaf: TensorLeaf) -> Optional[torch.Tensor]:
+        """The gradient average of the parameter ``leaf`` holds, or ``None`` (not watched / no step yet)."""
+        entry = self._find(leaf)
+        if entry is None or entry.average is None:
+            return None
+        with self._lock:
+            return entry.average.detach().clone()
+
+    def layer_type(self, leaf: TensorLeaf) -> Optional[str]:
+        """The module type of the parameter ``leaf`` holds, or ``None`` when not watched."""
+        entry = self._find(leaf)
+        return entry.layer_type if entry is not None else None

@@ -1,0 +1,201 @@
+"""What a quantization configuration would do to a weight tensor, answered from its sketch.
+
+A :class:`WeightTrial` holds one weight tensor's signed sketch keys, their
+histogram, and the same histogram weighted by the quality proxy's element
+weights (a diagonal Fisher estimate when one is known, else 1). For a
+:class:`TrialConfig` it returns the prune / protect thresholds (and element
+masks when a sensitivity score decides), the fitted centroids, the proxy's
+weighted squared error and an estimate of the coded size — without touching
+the elements again when magnitude decides (whole buckets are pruned or
+protected), with one cached pass per prune fraction when sensitivity does. The
+error counts every bucket at its centre plus the spread inside it, so it tracks
+the real quantization error to the sketch's accuracy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..codecs.dynaquant import magnitude_thresholds
+from ..codecs.log_sketch import ALPHA, MAGNITUDE_KEYS, SIGNED_KEYS, magnitude_keys, signed_keys
+from ..codecs.nonuniform_quantizer import LINEAR, LevelTable, fit_centroids, key_centres, make_level_table
+
+__all__ = ["TrialConfig", "TrialResult", "WeightTrial", "MAGNITUDE", "SENSITIVITY", "quantile_key"]
+
+MAGNITUDE, SENSITIVITY = "magnitude", "sensitivity"
+# A value is spread uniformly over its bucket (about 2 * ALPHA of it wide): variance (2a)^2/12.
+_SPREAD = (2.0 * ALPHA) ** 2 / 12.0
+_MAGNITUDE_OF_KEY = torch.arange(SIGNED_KEYS) & (MAGNITUDE_KEYS - 1)
+
+
+@dataclass(frozen=True)
+class TrialConfig:
+    """One point of the configuration cube, for one tensor."""
+
+    bins: int
+    prune: float
+    protect: float
+    metric: str = MAGNITUDE
+
+
+@dataclass
+class TrialResult:
+    """A configuration applied to one tensor (what the codec needs, and the proxy's view)."""
+
+    table: LevelTable
+    prune_mask: Optional[torch.Tensor]
+    protect_mask: Optional[torch.Tensor]
+    error: float
+    estimated_bits: float
+
+
+def quantile_key(counts: torch.Tensor, fraction: float) -> int:
+    """The smallest key whose cumulative count reaches ``fraction`` of the total (-1 for none)."""
+    total = int(counts.sum())
+    if fraction <= 0 or total == 0:
+        return -1
+    cumulative = torch.cumsum(counts, 0)
+    target = torch.tensor(math.ceil(min(fraction, 1.0) * total), dtype=cumulative.dtype)
+    return int(torch.searchsorted(cumulative, target))
+
+
+class WeightTrial:
+    """Sketches of one weight tensor that answer trial configurations.
+
+    Args:
+        tensor: the weight.
+        layer_type: its layer type (prune thresholds are shared per type).
+        proxy_weights: per-element weights of the quality proxy (e.g. a Fisher diagonal), or None.
+        sensitivity: per-element sensitivity scores ``|g * w|``, or None.
+        sigma: k-means sample-weight balance.
+    """
+
+    def __init__(
+        self,
+        tensor: torch.Tensor,
+        layer_type: str,
+        proxy_weights: Optional[torch.Tensor],
+        sensitivity: Optional[torch.Tensor],
+        sigma: float,
+    ) -> None:
+        flat = tensor.detach().reshape(-1)
+        self.flat = flat
+        self.numel = flat.numel()
+        self.layer_type = layer_type
+        self.sigma = sigma
+        self.keys = signed_keys(flat)
+        self.counts = torch.bincount(self.keys, minlength=SIGNED_KEYS).cpu()
+        self.weights = None
+        if proxy_weights is not None:
+            self.weights = proxy_weights.detach().reshape(-1).float()
+            self.mass = torch.bincount(self.keys, weights=self.weights, minlength=SIGNED_KEYS).double().cpu()
+        else:
+            self.mass = self.counts.double()
+        self._centres = key_centres()
+        self.total = float((self.mass * self._centres**2).sum()) * (1 + _SPREAD)
+        self.magnitude_counts = self.counts[:MAGNITUDE_KEYS] + self.counts[MAGNITUDE_KEYS:]
+        self.sensitivity_keys = magnitude_keys(sensitivity) if sensitivity is not None else None
+        self.sensitivity_counts = None
+        if self.sensitivity_keys is not None:
+            self.sensitivity_counts = torch.bincount(self.sensitivity_keys, minlength=MAGNITUDE_KEYS).cpu()
+        self._cache: dict[tuple, object] = {}
+
+    @property
+    def has_sensitivity(self) -> bool:
+        return self.sensitivity_keys is not None
+
+    def _histogram_of(self, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Counts and proxy mass of the elements in ``mask``, per key."""
+        keys = self.keys[mask]
+        counts = torch.bincount(keys, minlength=SIGNED_KEYS).cpu()
+        if self.weights is None:
+            return counts, counts.double()
+        mass = torch.bincount(keys, weights=self.weights[mask], minlength=SIGNED_KEYS).double().cpu()
+        return counts, mass
+
+    def _sensitivity_prune(self, threshold: int) -> Optional[torch.Tensor]:
+        if threshold <= 0 or self.sensitivity_keys is None:
+            return None
+        key = ("prune", threshold)
+        if key not in self._cache:
+            self._cache[key] = self.sensitivity_keys < threshold
+        return self._cache[key]  # type: ignore[return-value]
+
+    def _sensitivity_protect(self, fraction: float) -> Optional[torch.Tensor]:
+        key = ("protect", fraction)
+        if key not in self._cache:
+            mask = None
+            if fraction > 0 and self.sensitivity_counts is not None:
+                cut = quantile_key(self.sensitivity_counts, 1.0 - fraction)
+                mask = self.sensitivity_keys > cut
+                if not bool(mask.any()):
+                    mask = None
+            self._cache[key] = mask
+        return self._cache[key]  # type: ignore[return-value]
+
+    def run(self, config: TrialConfig, prune_threshold: int, init: Optional[torch.Tensor] = None) -> TrialResult:
+        """Thresholds, masks, levels, proxy error and size estimate of ``config``.
+
+        ``prune_threshold`` is the layer type's key threshold for ``config.prune``: a
+        magnitude key (magnitude metric) or a sensitivity key (sensitivity metric);
+        elements with a smaller key are pruned.
+        """
+        cache_key = ("run", config.bins, config.metric, prune_threshold, config.protect)
+        if cache_key in self._cache:
+            return self._cache[cache_key]  # type: ignore[return-value]
+        _, protect_above = magnitude_thresholds(self.counts, 0.0, config.protect)
+        use_sensitivity = config.metric == SENSITIVITY and self.has_sensitivity
+        prune_below = 1 if use_sensitivity else max(prune_threshold, 1)
+        pruned_buckets = _MAGNITUDE_OF_KEY < prune_below
+        protected_buckets = _MAGNITUDE_OF_KEY > protect_above
+        prune_mask = self._sensitivity_prune(prune_threshold) if use_sensitivity else None
+        protect_mask = self._sensitivity_protect(config.protect)
+        if prune_mask is None and protect_mask is None:
+            # Magnitude decides alone: whole buckets are pruned (error x^2) or protected (~0).
+            removed = pruned_buckets | protected_buckets
+            counts = torch.where(removed, 0, self.counts)
+            mass = torch.where(removed, 0.0, self.mass)
+            pruned_buckets &= ~protected_buckets
+            pruned_mass = torch.where(pruned_buckets, self.mass, 0.0)
+            pruned_count = float(torch.where(pruned_buckets, self.counts, 0).sum())
+            protected_count = float(torch.where(protected_buckets, self.counts, 0).sum())
+        else:
+            key = ("masks", prune_threshold if use_sensitivity else -1, prune_below, protect_above, config.protect)
+            if key not in self._cache:
+                magnitude = self.keys & (MAGNITUDE_KEYS - 1)
+                protected = magnitude > protect_above
+                if protect_mask is not None:
+                    protected |= protect_mask
+                pruned = (magnitude < prune_below) & ~protected
+                if prune_mask is not None:
+                    pruned |= prune_mask & ~protected
+                kept_counts, kept_mass = self._histogram_of(~(protected | pruned))
+                self._cache[key] = (
+                    kept_counts, kept_mass, self._histogram_of(pruned)[1],
+                    float(pruned.sum()), float(protected.sum()),
+                )
+            counts, mass, pruned_mass, pruned_count, protected_count = self._cache[key]  # type: ignore[misc]
+        error = float((pruned_mass * self._centres**2).sum()) * (1 + _SPREAD)
+        centroids = fit_centroids(counts.clamp_min(0), config.bins, self.sigma, LINEAR, init)
+        table = make_level_table(centroids, LINEAR, prune_below, protect_above)
+        ids = table.lookup().long()
+        levels = torch.cat([table.values.double(), torch.zeros(1, dtype=torch.float64)])
+        # Kept buckets only carry mass here; their lookup is the nearest centroid.
+        nearest = torch.where(ids == table.protect_id, 0, ids)
+        squared = (self._centres - levels[nearest]) ** 2 + _SPREAD * self._centres**2
+        error += float((mass.clamp_min(0) * squared).sum())
+        id_counts = torch.zeros(table.count, dtype=torch.float64)
+        id_counts.index_add_(0, nearest, counts.double())
+        id_counts[table.zero_index] += pruned_count
+        id_counts[table.protect_id] += protected_count
+        probabilities = id_counts[id_counts > 0] / max(float(id_counts.sum()), 1.0)
+        entropy = float(-(probabilities * torch.log2(probabilities)).sum()) * self.numel
+        result = TrialResult(
+            table, prune_mask, protect_mask, max(error, 0.0), entropy + 16 * protected_count + 32 * table.count
+        )
+        self._cache[cache_key] = result
+        return result
