@@ -275,3 +275,47 @@ def test_golden_encodings_still_decode(path):
     decoded = codec.decode([base64.b64decode(s) for s in doc["streams"]], doc["params"], spec)
     assert decoded.dtype == spec.dtype and tuple(decoded.shape) == spec.shape
     assert _bits(decoded) == base64.b64decode(doc["expected"])
+
+
+def _pieces(stream: bytes) -> tuple[list[int], list[bytes]]:
+    count = struct.unpack_from("<I", stream)[0]
+    modes = list(stream[4 : 4 + count])
+    sizes = struct.unpack_from(f"<{count}I", stream, 4 + count)
+    offsets = np.cumsum([4 + 5 * count, *sizes]).tolist()
+    return modes, [stream[offsets[i] : offsets[i + 1]] for i in range(count)]
+
+
+def _stream(modes: list[int], pieces: list[bytes]) -> bytes:
+    return struct.pack("<I", len(modes)) + bytes(modes) + struct.pack(f"<{len(modes)}I", *map(len, pieces)) + b"".join(pieces)
+
+
+def test_near_random_mantissa_planes_travel_as_raw_pairs():
+    for dtype, pairs_per_chunk in ((torch.float32, 1), (torch.float64, 3)):
+        tensor = torch.randn(5000, dtype=dtype)
+        stream, params, spec = _encode(SMALL_CHUNKS, tensor)
+        modes, _ = _pieces(stream)
+        assert modes.count(2) == modes.count(3) == pairs_per_chunk * -(-5000 // params["chunk"])
+        assert _bits(_decode(stream, params, spec)) == _bits(tensor)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["mate-not-paired", "paired-without-pair", "pair-on-exponent", "pair-wrong-size", "mate-not-empty"],
+)
+def test_malformed_plane_pairs_are_corruption(damage):
+    tensor = torch.randn(2048)
+    stream, params, spec = _encode(SMALL_CHUNKS, tensor)
+    modes, pieces = _pieces(stream)
+    assert modes[:4] == [2, 3, 0, 1]
+    if damage == "mate-not-paired":
+        modes[1] = 0
+    elif damage == "paired-without-pair":
+        modes[0] = 0
+    elif damage == "pair-on-exponent":
+        modes[2], modes[3], pieces[2], pieces[3] = 2, 3, pieces[0], b""
+    elif damage == "pair-wrong-size":
+        pieces[0] = pieces[0][:-2]
+    elif damage == "mate-not-empty":
+        pieces[1] = b"\0\0"
+    with pytest.raises(CorruptCheckpointError):
+        _decode(_stream(modes, pieces), params, spec)

@@ -172,3 +172,22 @@ def test_expand_frame_refuses_wrong_sizes_and_damage():
     forged = b"\x28\xb5\x2f\xfd" + bytes([0xC0]) + (1 << 60).to_bytes(8, "little") + frame[6:]
     with pytest.raises(CorruptCheckpointError, match="claims"):
         expand_frame(forged, len(data))
+
+
+def test_forged_symbol_headers_cannot_make_the_decoder_allocate_without_limit(symbol_stream):
+    import struct
+
+    import zstandard
+
+    stream, symbols = symbol_stream
+    alphabet, count, table_bytes = struct.unpack_from("<IQI", stream)
+    # a count table whose zstd frame claims 2**40 bytes
+    table = zstandard.ZstdCompressor().compress(b"\0" * 64)
+    forged_table = b"\x28\xb5\x2f\xfd" + bytes([0xC0]) + (1 << 40).to_bytes(8, "little") + table[6:]
+    forged = struct.pack("<IQI", alphabet, count, len(forged_table)) + forged_table + stream[16 + table_bytes :]
+    with pytest.raises(CorruptCheckpointError, match="count table"):
+        decode_symbols(forged, count)
+    # a header claiming 2**60 symbols, decoded without an expected count
+    huge = struct.pack("<IQI", alphabet, 1 << 60, table_bytes) + stream[16:]
+    with pytest.raises(FormatError):
+        decode_symbols(huge)

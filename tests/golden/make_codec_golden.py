@@ -81,6 +81,9 @@ def main() -> None:
     ):
         rows = 6144 // dtype.itemsize // 32  # about 6 KB: one full chunk and a partial one
         _write(f"byte_grouping_{dtype_name(dtype)}", grouping, _sample(dtype, (rows, 32), seed=index))
+    # chunks of at least 1024 elements: near-random mantissa planes are stored as raw pairs
+    _write("byte_grouping_float32_pairs", grouping, _sample(torch.float32, (4096,), seed=23))
+    _write("byte_grouping_float64_pairs", ByteGroupingCodec(chunk_bytes=8192), _sample(torch.float64, (2048,), seed=24))
     _write("byte_grouping_float32_scalar", grouping, _sample(torch.float32, (), seed=20))
     _write("byte_grouping_float32_empty", grouping, _sample(torch.float32, (3, 0), seed=21))
     _write("byte_grouping_float32_level3", ByteGroupingCodec(level=3, chunk_bytes=4096),

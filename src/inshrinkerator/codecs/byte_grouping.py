@@ -23,7 +23,10 @@ handed to zstd, so they are built with numpy at this I/O edge.
 Stream layout (one stream per tensor, all integers little-endian)::
 
     u32 piece_count                      chunks x planes, chunk-major, plane 0 = lowest byte
-    piece_count x u8   mode              0 = raw plane bytes, 1 = one zstd frame
+    piece_count x u8   mode              0 = raw plane bytes, 1 = one zstd frame,
+                                         2 = planes p, p+1 raw and interleaved (2 bytes
+                                         per element, as in memory), 3 = the empty
+                                         second half of such a pair
     piece_count x u32  stored size
     the pieces, back to back
 
@@ -52,7 +55,10 @@ _ROTATED = {torch.float32, torch.float16, torch.bfloat16, torch.float64}
 # complex numbers are pairs of floats: group them as such
 _COMPLEX_PARTS = {torch.complex64: torch.float32, torch.complex128: torch.float64}
 
-_RAW, _ZSTD = 0, 1
+# Piece modes. A *pair* holds two adjacent raw planes p, p+1 interleaved as they lie in
+# memory (the element's 16 bits): one strided 16-bit copy instead of two 8-bit ones
+# when encoding and decoding. The pair's second plane is an empty *paired* piece.
+_RAW, _ZSTD, _PAIR, _PAIRED = 0, 1, 2, 3
 _COUNT = struct.Struct("<I")
 # Bytes sampled (evenly spread) to estimate a plane's entropy.
 _SAMPLE_BYTES = 4096
@@ -156,7 +162,13 @@ def _encode_chunk(rows: np.ndarray, is_float: bool, level: Optional[int]) -> lis
     if not is_float:
         return [_code_integer_plane(plane, count, level) for plane in planes]
     top = itemsize - 1
-    return [_code_float_plane(plane, count, level, p == top) for p, plane in enumerate(planes)]
+    pieces = [_code_float_plane(plane, count, level, p == top) for p, plane in enumerate(planes)]
+    plain = itemsize - 2 if itemsize >= 2 else 0  # planes that are views of the input bytes
+    for p in range(0, plain - 1, 2):
+        if pieces[p][0] == _RAW and pieces[p + 1][0] == _RAW:
+            pieces[p] = (_PAIR, rows[:, p : p + 2].view(np.uint16).reshape(-1))
+            pieces[p + 1] = (_PAIRED, b"")
+    return pieces
 
 
 @register_codec
@@ -172,7 +184,7 @@ class ByteGroupingCodec(Codec):
 
     codec_id = "byte_grouping"
 
-    def __init__(self, level: Optional[int] = None, chunk_bytes: int = 1 << 20) -> None:
+    def __init__(self, level: Optional[int] = None, chunk_bytes: int = 1 << 21) -> None:
         if level is not None and (
             not isinstance(level, int) or isinstance(level, bool) or not -7 <= level <= 22
         ):
@@ -228,15 +240,24 @@ class ByteGroupingCodec(Codec):
         rows = tensor_byte_rows(out)
         rotated = lane.is_floating_point and itemsize >= 2
 
+        plain = itemsize - 2 if rotated else itemsize
+
         def expand(index: int) -> None:
             target = rows[starts[index] : starts[index] + chunk]
             size = target.shape[0]
-            planes = [_expand_piece(*pieces[index * itemsize + p], size) for p in range(itemsize)]
+            chunk_pieces = pieces[index * itemsize : (index + 1) * itemsize]
+            for p, (mode, payload) in enumerate(chunk_pieces):
+                if mode == _PAIR:
+                    _check_pair(chunk_pieces, p, plain, size)
+                    target[:, p : p + 2].view(np.uint16).reshape(-1)[:] = np.frombuffer(payload, dtype="<u2")
+                elif mode == _PAIRED:
+                    if p == 0 or chunk_pieces[p - 1][0] != _PAIR:
+                        raise CorruptCheckpointError("byte_grouping: a paired piece without its pair")
+                elif p < plain:
+                    target[:, p] = _expand_piece(mode, payload, size)
             if rotated:
-                _write_unrotated_top(target, planes[-1], planes[-2])
-                planes = planes[:-2]
-            for p, plane in enumerate(planes):
-                target[:, p] = plane
+                hi, lo = (_expand_piece(*chunk_pieces[p], size) for p in (itemsize - 1, itemsize - 2))
+                _write_unrotated_top(target, hi, lo)
 
         parallel_map(expand, range(len(starts)))
         if spec.dtype == torch.bool and count and int(rows.max()) > 1:
@@ -247,7 +268,7 @@ class ByteGroupingCodec(Codec):
 def _assemble(plans: list[list[tuple[int, Any]]]) -> np.ndarray:
     """The stream: the index, then every chunk's pieces, each copied once into one buffer."""
     pieces = [piece for plan in plans for piece in plan]
-    sizes = [len(payload) if mode == _ZSTD else payload.shape[0] for mode, payload in pieces]
+    sizes = [payload.nbytes if isinstance(payload, np.ndarray) else len(payload) for _, payload in pieces]
     head = _COUNT.size + 5 * len(pieces)
     offsets = np.cumsum([head] + sizes).tolist()
     out = np.empty(offsets[-1], dtype=np.uint8)
@@ -260,7 +281,12 @@ def _assemble(plans: list[list[tuple[int, Any]]]) -> np.ndarray:
         for index in range(chunk * per_chunk, (chunk + 1) * per_chunk):
             mode, payload = pieces[index]
             target = out[offsets[index] : offsets[index + 1]]
-            target[:] = np.frombuffer(payload, dtype=np.uint8) if mode == _ZSTD else payload
+            if mode == _PAIR:
+                target.view(np.uint16)[:] = payload  # little-endian: the bytes as they lay
+            elif mode == _RAW:
+                target[:] = payload
+            elif mode == _ZSTD:
+                target[:] = np.frombuffer(payload, dtype=np.uint8)
 
     if offsets[-1] >= _MIN_PARALLEL_BYTES:
         parallel_map(place, range(len(plans)))
@@ -294,6 +320,17 @@ def _parse_index(stream: Any, expected: int) -> list[tuple[int, memoryview]]:
     return [(mode, view[start:end]) for mode, start, end in zip(modes, starts, ends)]
 
 
+def _check_pair(chunk_pieces: list[tuple[int, memoryview]], plane: int, plain: int, size: int) -> None:
+    """A pair must cover two plain planes, hold 2 bytes per element and be followed by its mate."""
+    payload = chunk_pieces[plane][1]
+    if plane + 1 >= plain or chunk_pieces[plane + 1][0] != _PAIRED or len(chunk_pieces[plane + 1][1]):
+        raise CorruptCheckpointError(f"byte_grouping: a plane pair at plane {plane} does not fit the tensor")
+    if len(payload) != 2 * size:
+        raise CorruptCheckpointError(
+            f"byte_grouping: a plane pair holds {len(payload)} bytes, its two planes hold {2 * size}"
+        )
+
+
 def _expand_piece(mode: int, payload: memoryview, size: int) -> np.ndarray:
     """One plane of ``size`` bytes from its stored piece."""
     if mode == _RAW:
@@ -307,4 +344,6 @@ def _expand_piece(mode: int, payload: memoryview, size: int) -> np.ndarray:
             return np.frombuffer(expand_frame(payload, size), dtype=np.uint8)
         except CorruptCheckpointError as exc:
             raise CorruptCheckpointError(f"byte_grouping: {exc}") from None
+    if mode in (_PAIR, _PAIRED):
+        raise CorruptCheckpointError("byte_grouping: a plane pair where a single plane belongs")
     raise CorruptCheckpointError(f"byte_grouping: unknown piece mode {mode}")

@@ -96,6 +96,9 @@ def encode_symbols(symbols: torch.Tensor, alphabet: int) -> bytes:
 def decode_symbols(data: Any, expected_count: int | None = None) -> torch.Tensor:
     """Inverse of :func:`encode_symbols`: an int64 tensor of the symbols.
 
+    Pass ``expected_count`` (the caller knows it from the tensor spec): the stream must
+    then hold exactly that many symbols.
+
     Raises:
         FormatError / CorruptCheckpointError: the stream is malformed or does not decode.
     """
@@ -105,17 +108,19 @@ def decode_symbols(data: Any, expected_count: int | None = None) -> torch.Tensor
     alphabet, count, table_bytes = _HEADER.unpack(view[: _HEADER.size])
     if not 1 <= alphabet <= MAX_ALPHABET or (expected_count is not None and count != expected_count):
         raise FormatError(f"entropy stream claims {count} symbols over {alphabet}, expected {expected_count}")
+    if expected_count is None and count > max(1 << 20, 512 * len(view)):
+        # Unchecked counts get a generous bound (1/64 bit per symbol), so a forged header
+        # cannot make the decoder allocate without limit.
+        raise FormatError(f"entropy stream claims {count} symbols in {len(view)} bytes")
     if count == 0:
         return torch.empty(0, dtype=torch.int64)
     table_end = _HEADER.size + table_bytes
     if table_end > len(view):
         raise CorruptCheckpointError("entropy stream is truncated inside its count table")
-    try:
-        raw = zstandard.ZstdDecompressor().decompress(bytes(view[_HEADER.size : table_end]), max_output_size=8 * alphabet)
-    except zstandard.ZstdError as exc:
+    try:  # the frame's claimed size is checked before anything is allocated for it
+        raw = expand_frame(view[_HEADER.size : table_end], 8 * alphabet)
+    except CorruptCheckpointError as exc:
         raise CorruptCheckpointError(f"entropy stream count table is damaged ({exc})") from None
-    if len(raw) != 8 * alphabet:
-        raise CorruptCheckpointError("entropy stream count table has the wrong size")
     counts = np.frombuffer(raw, dtype=np.uint64)
     if int(counts.sum()) != count:
         raise CorruptCheckpointError("entropy stream counts do not add up to its symbol count")
