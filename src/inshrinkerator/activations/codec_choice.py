@@ -3,7 +3,7 @@
 ``"quantizer"`` (torch ops, any device) and ``"sz3"`` (pysz, CPU float32/float64) both meet
 the same absolute bound. With ``"auto"`` the chooser tries every applicable candidate on
 a tensor the first time its slot is seen and again on every measuring step, keeps the
-smallest, and reuses that choice for the slot in between (trying all of them every step
+smallest (a slower candidate must be at least 5% smaller to win), and reuses that choice for the slot in between (trying all of them every step
 would triple the packing time). Tensors SZ3 cannot take (another device or dtype) always
 go to the quantizer.
 """
@@ -21,6 +21,7 @@ __all__ = ["CodecChooser", "CODECS", "candidate_names"]
 
 CODECS = ("auto", "quantizer", "sz3")
 _INTERP_MIN_VALUES = 1 << 16  # spline prediction only pays off on large maps
+_MARGIN = 0.95
 
 Payload = Optional[object]
 _Encoder = Callable[[torch.Tensor, float], "QuantizedActivation | SZ3Activation | None"]
@@ -38,10 +39,10 @@ def candidate_names(codec: str, tensor: torch.Tensor) -> list[str]:
     if codec == "quantizer" or not sz3_ok:
         return ["quantizer"]
     names = ["sz3-nopred"]
-    if tensor.numel() >= _INTERP_MIN_VALUES and tensor.dim() >= 2:
-        names.append("sz3-interp")
     if codec == "auto":
-        names.insert(0, "quantizer")
+        names.append("quantizer")
+    if tensor.numel() >= _INTERP_MIN_VALUES and tensor.dim() >= 2:
+        names.append("sz3-interp")  # slowest: tried last, kept only when clearly smaller
     return names
 
 
@@ -68,7 +69,8 @@ class CodecChooser:
         best_name = "none"
         for name in names:
             payload = _ENCODERS[name](tensor, error_bound)
-            if payload is not None and (best is None or payload.nbytes < best.nbytes):
+            # in speed order: a later (slower) candidate must be clearly smaller to win
+            if payload is not None and (best is None or payload.nbytes < _MARGIN * best.nbytes):
                 best, best_name = payload, name
         if best is not None:
             self.chosen[slot] = best_name

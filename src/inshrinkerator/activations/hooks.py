@@ -102,7 +102,7 @@ class ActivationCompressor:
             self._names[id(module)] = name
             self._handles.append(module.register_forward_pre_hook(self._enter_module))
             self._handles.append(module.register_forward_hook(self._leave_module, always_call=True))
-        self._handles.append(self.model.register_forward_pre_hook(self._begin_forward))
+        self._handles.append(self.model.register_forward_pre_hook(self._begin_forward, prepend=True))
         self.bounds.attach(self.model)
         self._refresh_kept_storages()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)

@@ -128,7 +128,7 @@ def run_activation_bench(out_dir: Path, quick: bool = False, *, workloads: Optio
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)  # one thread: stable timings on a shared machine
     rounds, per_round = (3, 3) if quick else (5, 5)
-    seeds = {name: ([0] if quick else ([0, 1, 2] if name == "digits-cnn" else [0])) for name in names}
+    seeds = {name: ([0] if quick else ([0, 1, 2] if name == "digits-cnn" else [0, 1])) for name in names}
     total = sum(len(chosen) * (2 + rounds + len(seeds[name])) for name in names)
     progress = _Progress(show_progress, total)
     results: dict[str, Any] = {

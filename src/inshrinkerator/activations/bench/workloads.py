@@ -181,5 +181,5 @@ WORKLOADS: dict[str, ActivationWorkload] = {
     "char-transformer": ActivationWorkload(
         "char-transformer", "2-layer character GPT (width 128, context 64) on stdlib source, AdamW",
         make_char_transformer, _text_batch, _text_loss, _text_evaluate, _adamw,
-        batch_size=32, memory_batch_size=128, steps=400, quick_steps=60, primary_metric="val_loss"),
+        batch_size=32, memory_batch_size=128, steps=300, quick_steps=60, primary_metric="val_loss"),
 }
