@@ -94,12 +94,27 @@ def _plan(names: list[str], specs: list[str], seeds: Optional[int], quick: bool,
 def _load_progress(path: Path, config: dict[str, Any]) -> dict[str, dict[str, Any]]:
     if not path.exists():
         return {}
-    done = {}
+    done: dict[str, dict[str, Any]] = {}
     for line in path.read_text(encoding="utf-8").splitlines():
         record = json.loads(line)
-        if record.get("config") == config:
-            done[record["key"]] = record
+        if record.get("config") != config:
+            continue
+        earlier = done.get(record["key"])
+        if earlier is not None:
+            # A reference run recorded twice (runs of different policy sets merged into one
+            # folder): keep the newer result, and the transfer measurements of both.
+            record["transfer"] = _merge_transfer(earlier.get("transfer", {}), record.get("transfer", {}))
+        done[record["key"]] = record
     return done
+
+
+def _merge_transfer(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+    merged = {name: dict(data) for name, data in first.items()}
+    for name, data in second.items():
+        target = merged.setdefault(name, dict(data))
+        for part in ("pretrained", "fine_tuned"):
+            target[part] = {**first.get(name, {}).get(part, {}), **data.get(part, {})}
+    return merged
 
 
 def run_bench(
