@@ -16,10 +16,10 @@ of the stable ones. It costs a sort, so callers use it for small tensors.
 Without a prediction (a full checkpoint) the ids are coded against their most
 frequent id, which then forms the runs.
 
-Stream layout (little-endian)::
+Stream layout (little-endian; ``varint`` is unsigned LEB128)::
 
     u8 mode (0 plain, 1 predicted, 2 rearranged), u16 levels, u16 run symbol,
-    u64 tokens, u64 entropy-coded bytes, u64 extra bits,
+    varint tokens, varint entropy-coded bytes, varint extra bits,
     entropy-coded tokens, extra-bit bytes
 """
 
@@ -33,6 +33,7 @@ import torch
 
 from ..errors import CorruptCheckpointError, FormatError
 from .entropy import decode_symbols, encode_symbols, order0_entropy_bits
+from .varint import decode_varint, encode_varint
 from .zero_runs import from_run_tokens, to_run_tokens, token_alphabet
 
 __all__ = [
@@ -48,7 +49,7 @@ __all__ = [
 
 PLAIN, PREDICTED, REARRANGED = 0, 1, 2
 MAX_LEVELS = 1 << 12
-_HEAD = struct.Struct("<BHHQQQ")
+_HEAD = struct.Struct("<BHH")
 # The shared entropy stage starts its stream with a fixed header: alphabet, count, table bytes.
 _SYMBOLS_HEAD = struct.Struct("<IQI")
 
@@ -146,7 +147,9 @@ def encode_bucket_ids(
     coded = encode_symbols(runs.tokens, alphabet)
     if stats is not None:
         stats.add(runs.tokens, alphabet, coded)
-    head = _HEAD.pack(mode, levels, run_symbol, runs.tokens.numel(), len(coded), runs.extra_bit_count)
+    head = _HEAD.pack(mode, levels, run_symbol) + b"".join(
+        encode_varint(n) for n in (runs.tokens.numel(), len(coded), runs.extra_bit_count)
+    )
     return b"".join([head, coded, runs.extra_bits])
 
 
@@ -162,7 +165,10 @@ def decode_bucket_ids(
     view = memoryview(data).cast("B")
     if len(view) < _HEAD.size:
         raise CorruptCheckpointError("bucket-id stream is shorter than its header")
-    mode, stored_levels, run_symbol, tokens, coded_bytes, extra_bits = _HEAD.unpack_from(view)
+    mode, stored_levels, run_symbol = _HEAD.unpack_from(view)
+    tokens, cursor = decode_varint(view, _HEAD.size)
+    coded_bytes, cursor = decode_varint(view, cursor)
+    extra_bits, cursor = decode_varint(view, cursor)
     if stored_levels != levels or run_symbol >= levels or mode not in (PLAIN, PREDICTED, REARRANGED):
         raise FormatError(
             f"bucket-id stream (mode {mode}, {stored_levels} levels) does not fit {levels} levels"
@@ -173,10 +179,10 @@ def decode_bucket_ids(
         if predicted.numel() != count:
             raise FormatError("predicted ids do not match the tensor's size")
     extra_bytes = -(-extra_bits // 8)
-    if _HEAD.size + coded_bytes + extra_bytes != len(view):
+    if cursor + coded_bytes + extra_bytes != len(view) or tokens > count:
         raise CorruptCheckpointError("bucket-id stream size does not match its header")
-    symbols = decode_symbols(view[_HEAD.size : _HEAD.size + coded_bytes], tokens)
-    extra = bytes(view[_HEAD.size + coded_bytes :])
+    symbols = decode_symbols(view[cursor : cursor + coded_bytes], tokens)
+    extra = bytes(view[cursor + coded_bytes :])
     positions, values = from_run_tokens(symbols, extra, extra_bits, levels, count)
     dtype = id_dtype(levels)
     if mode == PLAIN:

@@ -17,12 +17,12 @@ and fits its own levels. A policy can pass ready thresholds, levels, element
 masks (e.g. by sensitivity) and the tensor's sketch keys through
 :meth:`DynaQuantCodec.with_hints`; hints only steer the encoder.
 
-Stream layout (one stream, little-endian)::
+Stream layout (one stream, little-endian; ``varint`` is unsigned LEB128)::
 
-    u8 version, u8 domain (0 linear, 1 log), u8 protected dtype (0 bf16, 1 fp16), u8 reserved,
-    u32 values (n, incl. the zero level), u32 zero index, u16 prune below, u16 protect above,
-    u32 reference fingerprint (0 for a full tensor), u64 protected count, u64 id-stream bytes,
-    f32[n] level values, protected values (2 bytes each), id stream
+    u8 version, u8 flags (bit 0: log domain, bit 1: protected values in fp16, else bf16),
+    u16 values (n, incl. the zero level), u16 zero index, u16 prune below, u16 protect above,
+    u32 reference fingerprint (0 for a full tensor), varint protected count,
+    f32[n] level values, protected values (2 bytes each), id stream (the rest)
 """
 
 from __future__ import annotations
@@ -51,13 +51,13 @@ from .nonuniform_quantizer import (
     stick_to_predicted,
 )
 from .registry import register_codec
+from .varint import decode_varint, encode_varint
 
 __all__ = ["DynaQuantCodec", "DynaQuantDeltaCodec", "magnitude_thresholds", "reference_fingerprint"]
 
-_LAYOUT = struct.Struct("<BBBBIIHHIQQ")
+_LAYOUT = struct.Struct("<BBHHHHI")
 _VERSION = 1
-_PROTECTED_DTYPES = {0: torch.bfloat16, 1: torch.float16}
-_DOMAIN_CODES = {LINEAR: 0, LOG: 1}
+_LOG_FLAG, _FP16_FLAG = 1, 2
 _MAX_BINS = 1024
 #: Deltas of tensors up to this size are regrouped by predicted bucket (the sort pays off
 #: there; above it, it would dominate the encoding time).
@@ -235,17 +235,18 @@ class DynaQuantCodec(Codec):
                     ids[changed[keep]] = predicted[changed[keep]]
                     changed = changed[~keep]
         protected_positions = torch.nonzero(ids == table.protect_id).reshape(-1)
-        code, protected_dtype = (1, torch.float16) if tensor.dtype == torch.float16 else (0, torch.bfloat16)
+        protected_dtype = torch.float16 if tensor.dtype == torch.float16 else torch.bfloat16
         protected = flat[protected_positions].to(protected_dtype)
+        flags = (_LOG_FLAG if table.domain == LOG else 0) | (_FP16_FLAG if protected_dtype == torch.float16 else 0)
         rearrange = predicted is not None and ids.numel() <= REARRANGE_MAX_ELEMENTS
         id_stream = encode_bucket_ids(
             ids.cpu(), table.count, None if predicted is None else predicted.cpu(), rearrange,
             self._hints.get("stats"), None if changed is None else changed.cpu(),
         )
         head = _LAYOUT.pack(
-            _VERSION, _DOMAIN_CODES[table.domain], code, 0, table.values.numel(), table.zero_index,
-            table.prune_below, table.protect_above, fingerprint, protected.numel(), len(id_stream),
-        )
+            _VERSION, flags, table.values.numel(), table.zero_index, table.prune_below,
+            table.protect_above, fingerprint,
+        ) + encode_varint(protected.numel())
         values_bytes = table.values.contiguous().numpy().tobytes()
         protected_bytes = protected.cpu().contiguous().view(torch.uint8).numpy().tobytes()
         rebuilt = reconstruct(ids, table, protected, tensor.dtype, tuple(tensor.shape), protected_positions)
@@ -264,11 +265,10 @@ class DynaQuantCodec(Codec):
         view = memoryview(streams[0]).cast("B")
         if len(view) < _LAYOUT.size:
             raise CorruptCheckpointError(f"{self.codec_id}: stream is shorter than its header")
-        (version, domain, code, reserved, count, zero_index, prune_below, protect_above, fingerprint,
-         protected_count, id_bytes) = _LAYOUT.unpack_from(view)
-        domains = {v: k for k, v in _DOMAIN_CODES.items()}
-        if version != _VERSION or domain not in domains or code not in _PROTECTED_DTYPES or reserved:
-            raise FormatError(f"{self.codec_id}: unknown stream version/domain/dtype ({version}, {domain}, {code})")
+        version, flags, count, zero_index, prune_below, protect_above, fingerprint = _LAYOUT.unpack_from(view)
+        protected_count, values_start = decode_varint(view, _LAYOUT.size)
+        if version != _VERSION or flags & ~(_LOG_FLAG | _FP16_FLAG):
+            raise FormatError(f"{self.codec_id}: unknown stream version {version} or flags {flags:#x}")
         if not 1 <= count < MAX_LEVELS or zero_index >= count or protected_count > spec.numel:
             raise FormatError(f"{self.codec_id}: header ({count} levels, zero at {zero_index}) is invalid")
         if not 1 <= prune_below <= MAGNITUDE_KEYS or protect_above >= MAGNITUDE_KEYS:
@@ -280,17 +280,17 @@ class DynaQuantCodec(Codec):
                 f"{self.codec_id}: the reference differs from the tensor this delta was taken "
                 "against (fingerprint mismatch): decode it against the same previous checkpoint"
             )
-        protected_dtype = _PROTECTED_DTYPES[code]
-        values_end = _LAYOUT.size + 4 * count
+        protected_dtype = torch.float16 if flags & _FP16_FLAG else torch.bfloat16
+        values_end = values_start + 4 * count
         protected_end = values_end + protected_count * protected_dtype.itemsize
-        if protected_end + id_bytes != len(view):
-            raise CorruptCheckpointError(f"{self.codec_id}: stream size does not match its header")
-        values = torch.frombuffer(bytearray(view[_LAYOUT.size : values_end]), dtype=torch.float32)
+        if protected_end > len(view):
+            raise CorruptCheckpointError(f"{self.codec_id}: stream is shorter than its header says")
+        values = torch.frombuffer(bytearray(view[values_start:values_end]), dtype=torch.float32)
         if not bool(torch.isfinite(values).all()) or float(values[zero_index]) != 0.0:
             raise CorruptCheckpointError(f"{self.codec_id}: level table is damaged")
         if count > 1 and not bool((values[1:] >= values[:-1]).all()):
             raise CorruptCheckpointError(f"{self.codec_id}: level table is not sorted")
-        table = LevelTable(values, zero_index, domains[domain], prune_below, protect_above)
+        table = LevelTable(values, zero_index, LOG if flags & _LOG_FLAG else LINEAR, prune_below, protect_above)
         if protected_count:
             protected = torch.frombuffer(bytearray(view[values_end:protected_end]), dtype=protected_dtype)
         else:

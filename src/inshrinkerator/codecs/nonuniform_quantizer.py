@@ -55,6 +55,18 @@ DOMAINS = (LINEAR, LOG)
 FIRST_NON_FINITE_KEY = 255 << 6
 
 _CENTRES: dict[torch.device, torch.Tensor] = {}
+_KEY_TABLES: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _key_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per device: centres of the magnitude keys (ascending), and per signed key its magnitude
+    key and whether it is negative."""
+    tables = _KEY_TABLES.get(device)
+    if tables is None:
+        keys = torch.arange(SIGNED_KEYS, device=device)
+        tables = (key_centres(device)[:MAGNITUDE_KEYS].contiguous(), keys & (MAGNITUDE_KEYS - 1), keys >= MAGNITUDE_KEYS)
+        _KEY_TABLES[device] = tables
+    return tables
 
 
 def key_centres(device: torch.device = torch.device("cpu")) -> torch.Tensor:
@@ -113,17 +125,23 @@ class LevelTable:
     def lookup(self, device: Optional[torch.device] = None) -> torch.Tensor:
         """Signed key -> id (length ``SIGNED_KEYS``, :func:`id_dtype`)."""
         device = device or self.values.device
-        centres = key_centres(device)
-        if self.values.numel() > 1:
-            nearest = torch.bucketize(centres, self.boundaries().to(device), right=False)
-            ids = nearest + (nearest >= self.zero_index).long()
-        else:
-            ids = torch.full((SIGNED_KEYS,), self.zero_index, dtype=torch.long, device=device)
-        magnitude = torch.arange(SIGNED_KEYS, device=device) & (MAGNITUDE_KEYS - 1)
+        positive, magnitude, negative = _key_tables(device)
+        boundaries = self.boundaries().to(device)
+        # The nearest centroid of a value x is the number of boundaries below x. Bucket
+        # centres are sorted by magnitude key, so count with a few searches and a prefix sum.
+        ones = torch.ones_like(boundaries, dtype=torch.long)
+        above = torch.searchsorted(positive, boundaries, right=True)
+        count_positive = torch.zeros(MAGNITUDE_KEYS + 1, dtype=torch.long, device=device).index_add_(0, above, ones)
+        reach = torch.searchsorted(positive, -boundaries, right=False)
+        count_negative = torch.zeros(MAGNITUDE_KEYS + 1, dtype=torch.long, device=device).index_add_(0, reach, ones)
+        nearest = torch.cat(
+            [torch.cumsum(count_positive, 0)[:-1], boundaries.numel() - torch.cumsum(count_negative, 0)[:-1]]
+        )
+        ids = nearest + (nearest >= self.zero_index).long()
         protect = magnitude > min(self.protect_above, FIRST_NON_FINITE_KEY - 1)
         if self.domain == LOG:
             # Only positive values have a level in the log domain; negative ones are protected.
-            protect |= (torch.arange(SIGNED_KEYS, device=device) >= MAGNITUDE_KEYS) & (magnitude > 0)
+            protect |= negative & (magnitude > 0)
         ids = torch.where(magnitude < max(self.prune_below, 1), self.zero_index, ids)
         ids = torch.where(protect, self.protect_id, ids)
         return ids.to(id_dtype(self.count))

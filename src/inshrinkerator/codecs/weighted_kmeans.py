@@ -87,25 +87,30 @@ def weighted_kmeans_1d(
         raise ValueError("weighted k-means needs at least one point with positive weight")
     order = torch.argsort(points)
     points, weights = points[order], weights[order]
-    if points.numel() <= k:
-        return points.clone()
+    if points.numel() <= k or (points.numel() <= 4 * k and torch.unique(points).numel() <= k):
+        return torch.unique(points)
     if init is not None and init.numel() == k and bool(torch.isfinite(init).all()):
         centroids = torch.sort(init.double().to(points.device)).values
     else:
         generator = torch.Generator(device=points.device).manual_seed(seed)
         centroids = kmeans_plus_plus_1d(points, weights, k, generator)
-    assignment = None
+    # Points are sorted, so every cluster is a contiguous run: Lloyd's update needs only
+    # where each decision boundary cuts the points, and prefix sums give the cluster means.
+    zero = torch.zeros(1, dtype=torch.float64, device=points.device)
+    mass_prefix = torch.cat([zero, torch.cumsum(weights, 0)])
+    moment_prefix = torch.cat([zero, torch.cumsum(weights * points, 0)])
+    end = torch.tensor([points.numel()], device=points.device)
+    cuts = None
     for _ in range(iterations):
-        new_assignment = nearest_level(points, centroids)
-        if assignment is not None and torch.equal(new_assignment, assignment):
+        boundaries = (centroids[1:] + centroids[:-1]) / 2
+        new_cuts = torch.cat([torch.searchsorted(points, boundaries, right=True), end])
+        if cuts is not None and torch.equal(new_cuts, cuts):
             break
-        assignment = new_assignment
-        mass = torch.zeros(centroids.numel(), dtype=torch.float64, device=points.device)
-        mass.index_add_(0, assignment, weights)
-        moment = torch.zeros_like(mass).index_add_(0, assignment, weights * points)
-        occupied = mass > 0
+        cuts = new_cuts
+        starts = torch.cat([end.new_zeros(1), cuts[:-1]])
+        mass = mass_prefix[cuts] - mass_prefix[starts]
+        moment = moment_prefix[cuts] - moment_prefix[starts]
         # An empty cluster keeps its position; the final cleanup drops it.
-        centroids = torch.where(occupied, moment / mass.clamp_min(1e-300), centroids)
-        centroids = torch.sort(centroids).values
+        centroids = torch.sort(torch.where(mass > 0, moment / mass.clamp_min(1e-300), centroids)).values
     used = torch.unique(nearest_level(points, centroids))
     return centroids[used]

@@ -1,0 +1,156 @@
+"""The DynaQuant codecs: round trips, closed-loop chains without drift, hints, refusals, goldens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from inshrinkerator.codecs import DynaQuantCodec, DynaQuantDeltaCodec, TensorSpec, get_codec
+from inshrinkerator.codecs.bucket_delta import EntropyStats
+from inshrinkerator.codecs.log_sketch import magnitude_keys
+from inshrinkerator.errors import BrokenChainError, FormatError
+
+from .lossy_codec_checks import (
+    check_damaged_streams,
+    check_golden,
+    encode_decode,
+    golden_cases,
+    random_walk,
+    same_bits,
+)
+
+finite = st.floats(min_value=-1e4, max_value=1e4, allow_nan=False, allow_infinity=False, width=32)
+
+
+@settings(max_examples=30, deadline=None)
+@given(values=st.lists(finite, min_size=0, max_size=300), bins=st.integers(1, 20), prune=st.sampled_from([0.0, 0.3]))
+def test_round_trip_keeps_at_most_bins_levels(values: list[float], bins: int, prune: float) -> None:
+    tensor = torch.tensor(values, dtype=torch.float32)
+    decoded = encode_decode(DynaQuantCodec(bins=bins, prune=prune), tensor)
+    assert torch.unique(decoded[decoded != 0]).numel() <= bins
+    if tensor.numel():
+        assert float((decoded - tensor).abs().max()) <= 2.04 * float(tensor.abs().max()) + 1e-30
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64], ids=str)
+def test_other_float_dtypes(dtype: torch.dtype) -> None:
+    tensor = (torch.randn(40, 50, dtype=torch.float64) * 0.05).to(dtype)
+    decoded = encode_decode(DynaQuantCodec(bins=16, protect=0.01), tensor)
+    relative = float((decoded.double() - tensor.double()).norm() / tensor.double().norm())
+    assert relative < 0.15
+
+
+def test_more_bins_less_error() -> None:
+    tensor = torch.randn(10_000) * 0.05
+    errors = [float((encode_decode(DynaQuantCodec(bins=b), tensor) - tensor).norm()) for b in (4, 8, 16, 32)]
+    assert errors == sorted(errors, reverse=True)
+
+
+def test_prune_and_protect_fractions() -> None:
+    tensor = torch.randn(50_000) * 0.05
+    decoded = encode_decode(DynaQuantCodec(bins=8, prune=0.3, protect=0.01), tensor)
+    assert 0.27 < float((decoded == 0).float().mean()) < 0.33
+    exact16 = decoded == tensor.to(torch.bfloat16).float()
+    assert 0.008 < float((exact16 & (tensor.abs() > 0.1)).float().mean()) < 0.012
+
+
+def test_non_finite_and_special_values_survive() -> None:
+    tensor = torch.randn(2000) * 0.05
+    tensor[:4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0])
+    decoded = encode_decode(DynaQuantCodec(bins=8), tensor)
+    assert torch.isnan(decoded[0]) and decoded[1] == float("inf") and decoded[2] == -float("inf")
+    assert decoded[3] == 0.0
+
+
+def test_closed_loop_chain_has_no_drift() -> None:
+    states = random_walk(12, shape=(48, 64))
+    codec = DynaQuantDeltaCodec(bins=16, stickiness=0.5)
+    reconstruction = DynaQuantCodec(bins=16).encode(states[0]).reconstruction
+    errors = []
+    for state in states[1:]:
+        decoded = encode_decode(codec, state, reconstruction)
+        errors.append(float((decoded - state).norm() / state.norm()))
+        reconstruction = decoded
+    # The error of each checkpoint is that of one quantization, not a sum along the chain.
+    assert max(errors) < 0.25
+    assert max(errors[-4:]) < 1.5 * max(errors[:4])
+
+
+def test_deltas_shrink_with_stickiness_and_small_moves() -> None:
+    states = random_walk(4, shape=(128, 128))
+    full = DynaQuantCodec(bins=16).encode(states[0])
+    sizes = []
+    for stickiness in (0.0, 0.5, 1.0):
+        encoded = DynaQuantDeltaCodec(bins=16, stickiness=stickiness).encode(states[1], full.reconstruction)
+        sizes.append(len(encoded.streams[0]))
+    assert sizes == sorted(sizes, reverse=True)
+    assert sizes[0] < len(full.streams[0]) / 2
+
+
+def test_wrong_or_missing_reference_is_a_broken_chain() -> None:
+    states = random_walk(2)
+    codec = DynaQuantDeltaCodec(bins=8)
+    encoded = codec.encode(states[1], states[0])
+    spec = TensorSpec.of(states[1])
+    with pytest.raises(BrokenChainError):
+        codec.decode(encoded.streams, encoded.params, spec, None)
+    with pytest.raises(BrokenChainError):
+        codec.decode(encoded.streams, encoded.params, spec, states[0] + 1.0)
+    with pytest.raises(BrokenChainError):
+        codec.decode(encoded.streams, encoded.params, spec, states[0][:10])
+    with pytest.raises(BrokenChainError):
+        codec.encode(states[1], None)
+
+
+def test_damaged_streams_are_refused() -> None:
+    states = random_walk(2, shape=(32, 40))
+    check_damaged_streams(DynaQuantCodec(bins=8, protect=0.01), states[0])
+    check_damaged_streams(DynaQuantDeltaCodec(bins=8, protect=0.01), states[1], states[0])
+
+
+def test_hints_steer_the_encoder_and_stats_add_up() -> None:
+    tensor = torch.randn(5000) * 0.05
+    prune_mask = torch.zeros(5000, dtype=torch.bool)
+    prune_mask[::2] = True
+    stats = EntropyStats()
+    codec = DynaQuantCodec(bins=4).with_hints(
+        centroids=torch.tensor([-0.05, 0.05]), prune_mask=prune_mask,
+        protect_above=int(magnitude_keys(torch.tensor([0.1]))), stats=stats,
+    )
+    decoded = encode_decode(codec, tensor)
+    assert torch.all(decoded[::2][tensor[::2].abs() < 0.09] == 0)
+    levels = torch.tensor([-0.05, 0.05])
+    assert set(decoded[1::2][tensor[1::2].abs() < 0.09].tolist()) <= set(levels.tolist())
+    assert stats.symbols > 0 and stats.payload_bytes > 0
+    assert codec.fitted_table is not None
+
+
+def test_config_round_trips_and_bad_options_are_refused() -> None:
+    codec = DynaQuantDeltaCodec(bins=12, prune=0.2, domain="log", stickiness=0.5)
+    assert get_codec(codec.get_config()) == codec
+    assert "sigma" not in codec.get_config()  # defaults stay out of every file header
+    for options in ({"bins": 0}, {"prune": 1.0}, {"domain": "cubic"}, {"stickiness": -1}, {"sigma": 2}):
+        with pytest.raises(ValueError):
+            DynaQuantCodec(**options)
+    with pytest.raises(FormatError):
+        get_codec({"id": "dynaquant", "bins": "many"})
+    with pytest.raises(ValueError):
+        DynaQuantCodec().encode(torch.arange(10))
+
+
+@pytest.mark.parametrize("case", golden_cases("dynaquant") + golden_cases("dynaquant_delta"), ids=lambda p: p.name)
+def test_golden_files_decode_and_encode_the_same(case) -> None:
+    check_golden(case)
+
+
+def test_goldens_exist() -> None:
+    assert golden_cases("dynaquant") and golden_cases("dynaquant_delta")
+
+
+def test_encoding_is_deterministic() -> None:
+    states = random_walk(2, shape=(50, 50))
+    first = DynaQuantDeltaCodec(bins=8, stickiness=0.5).encode(states[1], states[0])
+    second = DynaQuantDeltaCodec(bins=8, stickiness=0.5).encode(states[1], states[0])
+    assert first.streams == second.streams and same_bits(first.reconstruction, second.reconstruction)

@@ -1,0 +1,84 @@
+"""Level tables: key lookups with prune/protect thresholds, k-means levels, stickiness."""
+
+from __future__ import annotations
+
+import torch
+
+from inshrinkerator.codecs.log_sketch import SIGNED_KEYS, magnitude_keys, signed_keys
+from inshrinkerator.codecs.nonuniform_quantizer import (
+    LINEAR,
+    LOG,
+    assign_ids,
+    fit_centroids,
+    make_level_table,
+    reconstruct,
+    stick_to_predicted,
+)
+
+
+def _weights(count: int = 20_000, seed: int = 0) -> torch.Tensor:
+    return torch.randn(count, generator=torch.Generator().manual_seed(seed)) * 0.05
+
+
+def test_ids_follow_the_values_and_the_thresholds() -> None:
+    values = _weights()
+    keys = signed_keys(values)
+    centroids = fit_centroids(torch.bincount(keys, minlength=SIGNED_KEYS), 8, sigma=1.0)
+    assert 1 <= centroids.numel() <= 8 and bool((centroids != 0).all())
+    prune_below, protect_above = int(magnitude_keys(torch.tensor([0.01]))), int(magnitude_keys(torch.tensor([0.12])))
+    table = make_level_table(centroids, LINEAR, prune_below, protect_above)
+    ids = assign_ids(keys, table.lookup(), table).long()
+    assert torch.all(ids[values.abs() < 0.0098] == table.zero_index)
+    assert torch.all(ids[values.abs() > 0.1225] == table.protect_id)
+    middle = (values.abs() > 0.0102) & (values.abs() < 0.118)
+    decoded = table.values[ids[middle]]
+    nearest = (values[middle, None] - table.centroids()[None, :]).abs().min(1).values
+    # Nearest level up to the sketch's bucket accuracy.
+    assert torch.all((values[middle] - decoded).abs() <= nearest + 0.02 * values[middle].abs() + 1e-7)
+    order = torch.argsort(values[middle])
+    assert torch.all(ids[middle][order][1:] >= ids[middle][order][:-1])  # ids are ordered like values
+
+
+def test_element_masks_override_the_lookup() -> None:
+    values = _weights(100)
+    keys = signed_keys(values)
+    table = make_level_table(torch.tensor([-0.05, 0.05]))
+    prune = torch.zeros(100, dtype=torch.bool)
+    protect = torch.zeros(100, dtype=torch.bool)
+    prune[:10] = True
+    protect[5:20] = True
+    ids = assign_ids(keys, table.lookup(), table, prune, protect)
+    assert torch.all(ids[:5] == table.zero_index) and torch.all(ids[5:20] == table.protect_id)
+
+
+def test_log_domain_levels_are_positive_and_relative() -> None:
+    values = torch.exp2(torch.randn(50_000, generator=torch.Generator().manual_seed(1)) * 6 - 20)
+    values[:100] = 0.0
+    keys = signed_keys(values)
+    centroids = fit_centroids(torch.bincount(keys, minlength=SIGNED_KEYS), 16, domain=LOG)
+    table = make_level_table(centroids, LOG)
+    ids = assign_ids(keys, table.lookup(), table)
+    decoded = reconstruct(ids, table, torch.empty(0), torch.float32, (50_000,))
+    assert torch.all(decoded[:100] == 0) and torch.all(decoded[100:] > 0)
+    ratio = (decoded[100:] / values[100:]).log2().abs()
+    assert float(ratio.mean()) < 0.5
+
+
+def test_non_finite_values_get_the_protect_id_and_come_back() -> None:
+    values = torch.tensor([float("nan"), float("inf"), -float("inf"), 1.0, -1.0])
+    table = make_level_table(torch.tensor([-1.0, 1.0]))
+    ids = assign_ids(signed_keys(values), table.lookup(), table)
+    assert ids[:3].tolist() == [table.protect_id] * 3
+    decoded = reconstruct(ids, table, values[:3].to(torch.bfloat16), torch.float32, (5,))
+    assert torch.isnan(decoded[0]) and decoded[1] == float("inf") and decoded[2] == -float("inf")
+
+
+def test_stickiness_keeps_predicted_levels_within_its_margin() -> None:
+    table = make_level_table(torch.tensor([1.0, 2.0, 3.0]))
+    values = torch.tensor([1.6, 1.9, 2.45, 2.9])
+    ids = assign_ids(signed_keys(values), table.lookup(), table)
+    predicted = torch.full_like(ids, 1)  # the level 1.0 (index 1; the zero level is index 0)
+    positions = torch.nonzero(ids != predicted).reshape(-1)
+    keep = stick_to_predicted(values, positions, ids, predicted, table, stickiness=0.5)
+    # Cell half-width towards 2.0 is 0.5; with stickiness 0.5 elements within 0.75 stay.
+    assert keep.tolist() == [True, False, False, False]

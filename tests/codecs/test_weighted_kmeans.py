@@ -1,0 +1,68 @@
+"""Weighted 1-D k-means with weighted k-means++ seeding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from inshrinkerator.codecs.weighted_kmeans import histogram_sample_weights, nearest_level, weighted_kmeans_1d
+
+
+def _loss(points: torch.Tensor, weights: torch.Tensor, centroids: torch.Tensor) -> float:
+    return float((weights * (points - centroids[nearest_level(points, centroids)]) ** 2).sum())
+
+
+def test_separated_clusters_are_found() -> None:
+    points = torch.tensor([-5.0, -5.1, -4.9, 0.0, 0.1, 10.0, 10.2], dtype=torch.float64)
+    centroids = weighted_kmeans_1d(points, torch.ones(7), 3)
+    assert torch.allclose(centroids, torch.tensor([-5.0, 0.05, 10.1], dtype=torch.float64))
+
+
+def test_weights_pull_centroids() -> None:
+    points = torch.tensor([0.0, 1.0], dtype=torch.float64)
+    centroid = weighted_kmeans_1d(points, torch.tensor([3.0, 1.0]), 1)
+    assert torch.allclose(centroid, torch.tensor([0.25], dtype=torch.float64))
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    values=st.lists(st.floats(-100, 100, allow_nan=False), min_size=2, max_size=60),
+    k=st.integers(1, 8),
+    seed=st.integers(0, 5),
+)
+def test_result_is_sorted_distinct_and_not_worse_than_its_seeds(values: list[float], k: int, seed: int) -> None:
+    points = torch.tensor(values, dtype=torch.float64)
+    weights = torch.rand(points.numel(), generator=torch.Generator().manual_seed(seed)) + 0.01
+    centroids = weighted_kmeans_1d(points, weights, k, seed=seed)
+    assert 1 <= centroids.numel() <= k
+    assert torch.all(centroids[1:] > centroids[:-1])
+    assert float(centroids.min()) >= min(values) - 1e-9 and float(centroids.max()) <= max(values) + 1e-9
+    seeds = weighted_kmeans_1d(points, weights, k, iterations=0, seed=seed)
+    assert _loss(points, weights, centroids) <= _loss(points, weights, seeds) + 1e-9
+
+
+def test_deterministic_and_warm_started() -> None:
+    points = torch.randn(500, dtype=torch.float64)
+    weights = torch.rand(500)
+    first = weighted_kmeans_1d(points, weights, 6, seed=3)
+    assert torch.equal(first, weighted_kmeans_1d(points, weights, 6, seed=3))
+    again = weighted_kmeans_1d(points, weights, 6, init=first)
+    assert torch.allclose(again, first)
+
+
+def test_sample_weights_blend_counts_and_magnitudes() -> None:
+    centres = torch.tensor([-2.0, 1.0, 1.0])
+    counts = torch.tensor([1, 1, 2])
+    assert torch.allclose(histogram_sample_weights(centres, counts, 1.0), torch.tensor([0.25, 0.25, 0.5], dtype=torch.float64))
+    assert torch.allclose(histogram_sample_weights(centres, counts, 0.0), torch.tensor([0.5, 0.25, 0.25], dtype=torch.float64))
+    with pytest.raises(ValueError):
+        histogram_sample_weights(centres, counts, 1.5)
+
+
+def test_bad_inputs_are_refused() -> None:
+    with pytest.raises(ValueError):
+        weighted_kmeans_1d(torch.ones(3), torch.ones(3), 0)
+    with pytest.raises(ValueError):
+        weighted_kmeans_1d(torch.ones(3), torch.zeros(3), 2)

@@ -1,0 +1,147 @@
+"""Write the golden files of the DynaQuant codecs (run once; tests only read them).
+
+    python tests/golden/codecs/write_dynaquant_goldens.py [--overwrite]
+
+Same layout as the baseline codecs' goldens: each case folder holds ``case.json``
+(codec config, params, dtype, shape, stream file names), the streams, the input, the
+reference (delta cases) and the expected decoded tensor, as raw little-endian bytes.
+Existing cases are kept unless ``--overwrite`` is given: a changed encoding must be a
+deliberate format change, never a silent regeneration.
+
+The bucket-id coder gets its own small goldens (``bucket_delta/*.json``: ids,
+predictions and the stream, in every mode), because the codecs only use the
+un-rearranged mode for tensors too large to keep in the repository.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from inshrinkerator.codecs import Codec, DynaQuantCodec, DynaQuantDeltaCodec
+from inshrinkerator.codecs.bucket_delta import encode_bucket_ids
+
+HERE = Path(__file__).resolve().parent
+
+
+def _weights(shape: tuple[int, ...], seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=generator, dtype=torch.float64) * 0.05).to(dtype)
+
+
+def _update(tensor: torch.Tensor, seed: int, size: float = 1e-3) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    step = torch.randn(tensor.shape, generator=generator, dtype=torch.float64) * size
+    return (tensor.to(torch.float64) + step).to(tensor.dtype)
+
+
+def _second_moment(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.exp2(torch.randn(shape, generator=generator, dtype=torch.float64) * 4 - 20).float()
+    values.view(-1)[::17] = 0.0
+    return values
+
+
+def _cases() -> list[tuple[str, Codec, torch.Tensor, Optional[torch.Tensor]]]:
+    base = _weights((24, 40), 1)
+    special = base.clone()
+    special.view(-1)[:4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0])
+    full = DynaQuantCodec(bins=12, prune=0.2, protect=0.01)
+    previous = full.encode(base).reconstruction
+    moment = _second_moment((30, 30), 7)
+    log_full = DynaQuantCodec(bins=8, domain="log")
+    return [
+        ("dynaquant/float32_bins12_prune_protect", full, base, None),
+        ("dynaquant/float32_non_finite", DynaQuantCodec(bins=4, protect=0.01), special, None),
+        ("dynaquant/float16_bins6", DynaQuantCodec(bins=6, protect=0.02), _weights((300,), 3, torch.float16), None),
+        ("dynaquant/bfloat16_bins16", DynaQuantCodec(bins=16), _weights((16, 20), 4, torch.bfloat16), None),
+        ("dynaquant/float32_log_domain", log_full, moment, None),
+        ("dynaquant_delta/float32_rearranged_sticky",
+         DynaQuantDeltaCodec(bins=12, prune=0.2, protect=0.01, stickiness=0.5), _update(base, 2), previous),
+        ("dynaquant_delta/float32_log_domain",
+         DynaQuantDeltaCodec(bins=8, domain="log", stickiness=0.5), (moment * 1.05).contiguous(),
+         log_full.encode(moment).reconstruction),
+    ]
+
+
+def _raw(tensor: torch.Tensor) -> bytes:
+    return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def write_case(folder: Path, codec: Codec, tensor: torch.Tensor, reference: Optional[torch.Tensor]) -> None:
+    encoded = codec.encode(tensor, reference)
+    folder.mkdir(parents=True, exist_ok=True)
+    names = []
+    for index, stream in enumerate(encoded.streams):
+        name = f"stream{index}.bin"
+        (folder / name).write_bytes(bytes(memoryview(stream).cast("B")))
+        names.append(name)
+    (folder / "input.bin").write_bytes(_raw(tensor))
+    (folder / "expected.bin").write_bytes(_raw(encoded.reconstruction))
+    if reference is not None:
+        (folder / "reference.bin").write_bytes(_raw(reference))
+    meta = {
+        "config": codec.get_config(),
+        "params": encoded.params,
+        "dtype": str(tensor.dtype).removeprefix("torch."),
+        "shape": list(tensor.shape),
+        "streams": names,
+        "has_reference": reference is not None,
+        "torch": torch.__version__,
+    }
+    (folder / "case.json").write_text(json.dumps(meta, indent=1) + "\n")
+
+
+def _bucket_delta_cases() -> list[tuple[str, torch.Tensor, int, Optional[torch.Tensor], bool]]:
+    generator = torch.Generator().manual_seed(11)
+    predicted = torch.randint(0, 14, (3000,), generator=generator)
+    moved = torch.rand(3000, generator=generator) < 0.05
+    ids = torch.where(moved, (predicted + torch.randint(-1, 2, (3000,), generator=generator)).clamp(0, 13), predicted)
+    return [
+        ("plain", ids, 14, None, False),
+        ("predicted", ids, 14, predicted, False),
+        ("rearranged", ids, 14, predicted, True),
+    ]
+
+
+def write_bucket_delta_case(path: Path, ids: torch.Tensor, levels: int, predicted: Optional[torch.Tensor], rearrange: bool) -> None:
+    stream = encode_bucket_ids(ids, levels, predicted, rearrange)
+    meta = {
+        "levels": levels,
+        "ids": ids.tolist(),
+        "predicted": predicted.tolist() if predicted is not None else None,
+        "stream": base64.b64encode(stream).decode("ascii"),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(meta) + "\n")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--overwrite", action="store_true", help="replace existing cases")
+    args = parser.parse_args(argv)
+    for name, codec, tensor, reference in _cases():
+        folder = HERE / name
+        if (folder / "case.json").exists() and not args.overwrite:
+            print(f"kept     {name}")
+            continue
+        write_case(folder, codec, tensor, reference)
+        print(f"wrote    {name}")
+    for name, ids, levels, predicted, rearrange in _bucket_delta_cases():
+        path = HERE / "bucket_delta" / f"{name}.json"
+        if path.exists() and not args.overwrite:
+            print(f"kept     bucket_delta/{name}")
+            continue
+        write_bucket_delta_case(path, ids, levels, predicted, rearrange)
+        print(f"wrote    bucket_delta/{name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
