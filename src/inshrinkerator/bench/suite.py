@@ -128,6 +128,7 @@ def run_bench(
     full_every: int = 10,
     threads: int = 1,
     resume: bool = False,
+    recorded_only: bool = False,
     console: Optional[Console] = None,
 ) -> dict[str, Any]:
     """Run the benchmark and write ``results.json``, ``report.md`` and PNG plots to ``out_dir``.
@@ -140,6 +141,7 @@ def run_bench(
         seeds: seeds per workload (default: 1 quick; full: each workload's ``default_seeds``).
         threads: torch threads for training (1 keeps timings stable on a shared machine).
         resume: reuse runs already recorded in ``out_dir/runs.jsonl`` with the same settings.
+        recorded_only: train nothing; report the recorded runs of the plan (implies ``resume``).
 
     Returns:
         The results document that ``results.json`` holds.
@@ -162,7 +164,10 @@ def run_bench(
     config = {"quick": quick, "failures": failures, "full_every": full_every, "threads": threads}
     out_dir.mkdir(parents=True, exist_ok=True)
     progress_file = out_dir / _PROGRESS_FILE
+    resume = resume or recorded_only
     done = _load_progress(progress_file, config) if resume else {}
+    if recorded_only:
+        tasks = [t for t in tasks if t.key in done]
     if not resume and progress_file.exists():
         progress_file.unlink()
     started = time.time()
