@@ -1,0 +1,185 @@
+"""The DynaQuant policy: what it stores how, the search it runs, and runs through the manager."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import inshrinkerator as ink
+from inshrinkerator.codecs import DynaQuantCodec, DynaQuantDeltaCodec
+from inshrinkerator.policies import DynaQuant, resolve_policy
+from inshrinkerator.tree import flatten, format_key_path
+
+from ..helpers import assert_same
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Many small tensor ops: a second OpenMP thread only adds contention on a busy machine.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(1, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(),
+        torch.nn.Linear(8 * 8 * 8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10),
+    )
+
+
+def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int, start: int = 0) -> None:
+    for step in range(start, start + steps):
+        generator = torch.Generator().manual_seed(step)
+        x = torch.randn(16, 1, 8, 8, generator=generator)
+        y = torch.randint(0, 10, (16,), generator=generator)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+def _states(count: int, optimizer: str = "adam") -> tuple[torch.nn.Module, list[dict]]:
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), 1e-3) if optimizer == "adam" else torch.optim.SGD(
+        model.parameters(), 0.05, momentum=0.9
+    )
+    states = []
+    for index in range(count):
+        _train(model, opt, 5, start=5 * index)
+        states.append(copy.deepcopy({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 5 * index}))
+    return model, states
+
+
+def _by_key(state) -> dict[str, torch.Tensor]:
+    return {format_key_path(leaf.path): leaf.tensor for leaf in flatten(state).tensors}
+
+
+def test_knobs_are_checked() -> None:
+    for options in (
+        {"tolerance": 0}, {"bins": ()}, {"bins": (0,)}, {"prune": (1.5,)}, {"stickiness": -1},
+        {"moment_bins": 0}, {"min_numel": True}, {"evaluate": 3}, {"sigma": 2.0},
+    ):
+        with pytest.raises(ValueError):
+            DynaQuant(**options)
+    assert isinstance(resolve_policy("dynaquant"), DynaQuant)
+    assert ink.policies.DynaQuant is DynaQuant
+
+
+def test_each_tensor_gets_the_codec_of_its_role() -> None:
+    _, (state,) = _states(1)
+    policy = DynaQuant()
+    flat = flatten(state)
+    codecs = policy.plan(flat.tensors, [None] * len(flat.tensors))
+    by_path = {format_key_path(leaf.path): codec for leaf, codec in zip(flat.tensors, codecs)}
+    assert isinstance(by_path["model/3.weight"], DynaQuantCodec) and not by_path["model/3.weight"].uses_reference
+    assert by_path["optimizer/state/2/exp_avg_sq"].domain == "log"
+    assert by_path["optimizer/state/2/exp_avg"].bins == policy.moment_bins
+    assert by_path["model/0.bias"].lossless  # small tensors stay exact
+    assert all(codec.lossless for path, codec in by_path.items() if path.endswith("/step"))
+
+
+def test_save_load_keeps_structure_and_everything_exact_that_must_be(tmp_path) -> None:
+    _, (state,) = _states(1)
+    info = ink.save(state, tmp_path / "one.ink", policy="dynaquant")
+    loaded = ink.load(tmp_path / "one.ink")
+    assert info.ratio > 5
+    assert_same(loaded["step"], state["step"])
+    assert_same(loaded["optimizer"]["param_groups"], state["optimizer"]["param_groups"])
+    for key, value in state["optimizer"]["state"].items():
+        assert_same(loaded["optimizer"]["state"][key]["step"], value["step"])
+        assert torch.all(loaded["optimizer"]["state"][key]["exp_avg_sq"] >= 0)
+    weight, restored = state["model"]["3.weight"], loaded["model"]["3.weight"]
+    assert float((weight - restored).norm() / weight.norm()) < 0.2
+
+
+def test_manager_chain_is_closed_loop_and_searches_then_refines(tmp_path) -> None:
+    model, states = _states(4)
+    policy = DynaQuant()
+    with ink.CheckpointManager(tmp_path / "run", policy=policy, full_every=10) as manager:
+        manager.watch(model)
+        infos = [manager.save(5 * index, state) for index, state in enumerate(states)]
+    assert [info.kind for info in infos] == ["full", "delta", "delta", "delta"]
+    assert sum(i.stored_bytes for i in infos[1:]) < 3 * infos[0].stored_bytes
+    kinds = [record.kind for record in policy.search_log]
+    assert kinds[0] == "guided" and set(kinds[1:]) <= {"neighbourhood", "neighbourhood+exhaustive"}
+    assert all(record.evaluations >= 1 and record.feasible for record in policy.search_log)
+    assert all(record.quality <= policy.tolerance for record in policy.search_log)
+    # A fresh reader decodes every step of the chain; each is one quantization away from
+    # the truth (closed loop), however deep in the chain.
+    reader = ink.CheckpointManager(tmp_path / "run")
+    errors = []
+    for index, state in enumerate(states):
+        loaded, truth = _by_key(reader.load(5 * index)), _by_key(state)
+        errors.append(float((loaded["model/3.weight"] - truth["model/3.weight"]).norm() / truth["model/3.weight"].norm()))
+    assert max(errors) < 0.2 and errors[-1] < 2 * errors[0] + 0.02
+    assert abs(policy.entropy_stats.payload_overhead) < 0.05
+
+
+def test_user_evaluate_decides_and_tolerance_trades_size_for_quality() -> None:
+    _, (state,) = _states(1)
+    reference = state["model"]["3.weight"].clone()
+    calls = []
+
+    def evaluate(model_state: dict[str, torch.Tensor]) -> float:
+        calls.append(sorted(model_state))
+        return 1.0 + float((model_state["3.weight"] - reference).norm() / reference.norm())
+
+    flat = flatten(state)
+    chosen = []
+    for tolerance in (0.1, 0.5):
+        policy = DynaQuant(tolerance=tolerance, evaluate=evaluate)
+        policy.plan(flat.tensors, [None] * len(flat.tensors))
+        record = policy.search_log[-1]
+        assert record.feasible and record.quality <= tolerance
+        chosen.append(record.config["bins"] * (1 - record.config["prune"]))
+    assert chosen[0] > chosen[1]
+    assert calls and "3.weight" in calls[0] and "0.bias" in calls[0]
+
+
+def test_nothing_feasible_keeps_the_weights_exact() -> None:
+    _, (state,) = _states(1)
+    policy = DynaQuant(evaluate=lambda model_state: float(torch.rand(1)) + 10.0, tolerance=1e-9)
+    flat = flatten(state)
+    codecs = policy.plan(flat.tensors, [None] * len(flat.tensors))
+    weights = [c for leaf, c in zip(flat.tensors, codecs) if leaf.path[0] == "model"]
+    assert all(codec.lossless for codec in weights)
+    assert policy.search_log[-1].feasible is False
+
+
+def test_watched_gradients_add_the_sensitivity_metric(tmp_path) -> None:
+    model, states = _states(1)
+    policy = DynaQuant()
+    policy.watch(model)
+    optimizer = torch.optim.Adam(model.parameters(), 1e-3)
+    _train(model, optimizer, 2, start=100)
+    flat = flatten({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+    policy.plan(flat.tensors, [None] * len(flat.tensors))
+    assert policy.search_log[-1].feasible
+
+
+def test_sgd_momentum_is_quantized_too(tmp_path) -> None:
+    _, (state,) = _states(1, optimizer="sgd")
+    flat = flatten(state)
+    codecs = DynaQuant().plan(flat.tensors, [None] * len(flat.tensors))
+    by_path = {format_key_path(leaf.path): codec for leaf, codec in zip(flat.tensors, codecs)}
+    assert isinstance(by_path["optimizer/state/2/momentum_buffer"], DynaQuantCodec)
+    ink.save(state, tmp_path / "sgd.ink", policy="dynaquant")
+    assert ink.load(tmp_path / "sgd.ink")["optimizer"]["state"][2]["momentum_buffer"].shape == (32, 512)
+
+
+def test_deltas_use_the_reference() -> None:
+    _, states = _states(2)
+    first, second = flatten(states[0]), flatten(states[1])
+    policy = DynaQuant()
+    policy.plan(first.tensors, [None] * len(first.tensors))
+    references = [leaf.tensor for leaf in first.tensors]
+    codecs = policy.plan(second.tensors, references)
+    by_path = {format_key_path(leaf.path): codec for leaf, codec in zip(second.tensors, codecs)}
+    assert isinstance(by_path["model/3.weight"], DynaQuantDeltaCodec)
+    assert isinstance(by_path["optimizer/state/2/exp_avg_sq"], DynaQuantDeltaCodec)
+    assert not by_path["optimizer/state/2/exp_avg"].uses_reference

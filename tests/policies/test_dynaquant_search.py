@@ -1,0 +1,90 @@
+"""The configuration-cube searches on synthetic monotone feasibility functions."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from inshrinkerator.policies.dynaquant_search import (
+    MonotoneOracle,
+    cube_points,
+    exhaustive_search,
+    guided_search,
+    neighbourhood_search,
+)
+
+
+def _problem(shape: tuple[int, ...], weights: tuple[float, ...], limit: float):
+    """Feasible iff a weighted sum of the coordinates stays under ``limit`` (monotone)."""
+
+    def feasible(point: tuple[int, ...]) -> bool:
+        return sum(w * p for w, p in zip(weights, point)) <= limit
+
+    def score(point: tuple[int, ...]) -> float:
+        return sum((i + 1) * p for i, p in enumerate(point)) + 0.001 * sum(point)
+
+    return feasible, score
+
+
+def _best(shape: tuple[int, ...], feasible, score):
+    points = [p for p in cube_points(shape) if feasible(p)]
+    return max(points, key=score) if points else None
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 6), min_size=1, max_size=4).map(tuple),
+    weights=st.lists(st.floats(0.1, 3.0), min_size=4, max_size=4).map(tuple),
+    limit=st.floats(-1.0, 12.0),
+)
+def test_guided_and_exhaustive_find_the_best_feasible_point(shape, weights, limit) -> None:
+    feasible, score = _problem(shape, weights, limit)
+    expected = _best(shape, feasible, score)
+    guided = guided_search(shape, MonotoneOracle(feasible), score)
+    exhaustive = exhaustive_search(shape, MonotoneOracle(feasible), score)
+    if expected is None:
+        assert guided is None and exhaustive is None
+    else:
+        assert score(guided) == pytest.approx(score(expected))
+        assert score(exhaustive) == pytest.approx(score(expected))
+
+
+def test_guided_search_evaluates_far_fewer_points_than_the_cube() -> None:
+    shape = (6, 2, 6, 3)
+    feasible, score = _problem(shape, (1.0, 0.5, 1.0, 0.7), 6.0)
+    oracle = MonotoneOracle(feasible)
+    guided_search(shape, oracle, score)
+    assert oracle.evaluations < len(cube_points(shape)) / 3
+
+
+def test_oracle_infers_by_dominance() -> None:
+    calls = []
+
+    def feasible(point):
+        calls.append(point)
+        return sum(point) <= 3
+
+    oracle = MonotoneOracle(feasible)
+    assert oracle((2, 1)) and not oracle((3, 1))
+    assert oracle.infer((1, 1)) is True and oracle.infer((3, 2)) is False and oracle.infer((0, 4)) is None
+    assert oracle((1, 0)) and oracle((4, 4)) is False
+    assert calls == [(2, 1), (3, 1)] and oracle.evaluations == 2
+
+
+def test_neighbourhood_search_stays_near_and_skips_more_aggressive_points() -> None:
+    shape = (6, 6)
+    feasible, score = _problem(shape, (1.0, 1.0), 10.0)  # everything feasible
+    found = neighbourhood_search(shape, MonotoneOracle(feasible), score, (2, 2), radius=1)
+    assert found is not None and all(abs(a - b) <= 1 for a, b in zip(found, (2, 2)))
+    assert found != (3, 3)  # strictly more aggressive than the centre: not tried
+    allowed = neighbourhood_search(shape, MonotoneOracle(feasible), score, (2, 2), 1, allow_more_aggressive=True)
+    assert allowed == (3, 3)
+    nothing = neighbourhood_search(shape, MonotoneOracle(lambda p: False), score, (2, 2), radius=1)
+    assert nothing is None
+
+
+def test_cube_points_cover_the_cube() -> None:
+    assert cube_points((2, 3)) == list(itertools.product(range(2), range(3)))

@@ -1,0 +1,70 @@
+"""Gradient averages collected by hooks, matched to saved tensors by storage or by name."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from inshrinkerator.policies.gradient_watch import GradientWatch
+from inshrinkerator.tree import TensorLeaf
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Flatten(), torch.nn.Linear(8, 3))
+
+
+def _backward(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    model.zero_grad()
+    loss = model(torch.randint(0, 10, (5, 2), generator=generator)).pow(2).sum()
+    loss.backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def test_average_weights_the_newest_gradient_by_beta() -> None:
+    model = _model()
+    watch = GradientWatch(beta=0.9)
+    watch.attach(model)
+    first = _backward(model, 0)
+    second = _backward(model, 1)
+    leaf = TensorLeaf(("model", "2.weight"), model.state_dict()["2.weight"])
+    expected = 0.9 * second["2.weight"] + 0.1 * first["2.weight"]
+    assert torch.allclose(watch.gradient_average(leaf), expected)
+    assert watch.layer_type(leaf) == "linear"
+    assert watch.layer_type(TensorLeaf(("0.weight",), model.state_dict()["0.weight"])) == "embedding"
+
+
+def test_copied_states_match_by_name_and_shape() -> None:
+    model = _model()
+    watch = GradientWatch()
+    watch.attach(model)
+    _backward(model, 0)
+    copied = copy.deepcopy(model.state_dict())
+    assert watch.gradient_average(TensorLeaf(("model", "2.bias"), copied["2.bias"])) is not None
+    assert watch.gradient_average(TensorLeaf(("model", "2.bias"), torch.zeros(7))) is None
+    assert watch.gradient_average(TensorLeaf(("model", "other"), copied["2.bias"])) is None
+
+
+def test_detach_and_rewatch() -> None:
+    model = _model()
+    watch = GradientWatch()
+    watch.attach(model)
+    assert watch.watching
+    watch.detach()
+    _backward(model, 0)
+    assert not watch.watching
+    leaf = TensorLeaf(("2.weight",), model.state_dict()["2.weight"])
+    assert watch.gradient_average(leaf) is None
+    watch.attach(model)
+    _backward(model, 1)
+    assert watch.gradient_average(leaf) is not None
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError):
+        GradientWatch(beta=0.0)
+    with pytest.raises(TypeError):
+        GradientWatch().attach("not a model")  # type: ignore[arg-type]
