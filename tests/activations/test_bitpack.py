@@ -1,7 +1,9 @@
 import torch
 from hypothesis import given, settings, strategies as st
 
-from inshrinkerator.activations.bitpack import GROUP, pack_codes, pack_mask, packed_size, unpack_codes, unpack_mask
+from inshrinkerator.activations.bitpack import (
+    GROUP, pack_codes, pack_mask, packed_size, unpack_codes, unpack_mask,
+)
 
 
 @settings(max_examples=60, deadline=None)
@@ -16,7 +18,8 @@ def test_mask_roundtrip(bits: list[bool]) -> None:
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(0, 2**32 - 1), max_size=400), st.integers(0, 32))
 def test_codes_roundtrip_any_width(values: list[int], clip_bits: int) -> None:
-    codes = torch.tensor(values, dtype=torch.int64) % (1 << clip_bits) if values else torch.zeros(0, dtype=torch.int64)
+    codes = torch.tensor(values, dtype=torch.int64) if values else torch.zeros(0, dtype=torch.int64)
+    codes = codes % (1 << clip_bits)
     packed = pack_codes(codes)
     assert packed.nbytes == packed_size(codes)
     assert torch.equal(unpack_codes(packed), codes)

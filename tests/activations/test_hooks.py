@@ -28,7 +28,8 @@ def test_linear_weight_gradient_error_matches_the_analysis(codec: str) -> None:
     grad_out = torch.randn(512, 32)
     exact = _weight_grads(model, lambda: model(x).backward(grad_out))
     relative = 0.05
-    with ink.compress_activations(model, error_bound=relative, adaptive=False, codec=codec, min_bytes=0) as comp:
+    with ink.compress_activations(model, error_bound=relative, adaptive=False, codec=codec,
+                                  min_bytes=0) as comp:
         lossy = _weight_grads(model, lambda: model(x).backward(grad_out))
     hidden = torch.relu(first(x)).detach()
     bound = relative * float(hidden.max() - hidden.min())
@@ -46,7 +47,8 @@ def test_linear_weight_gradient_error_matches_the_analysis(codec: str) -> None:
     # statistical: sigma = eb * ||G_c|| * sqrt((1 - s) / 3) (uniform error, exact zeros)
     if codec == "quantizer":
         zeros = 1 - float(nonzero.mean())
-        predicted = bound * math.sqrt((1 - zeros) / 3) * math.sqrt(float(grad_out.double().square().sum(0).mean()))
+        row_norm = math.sqrt(float(grad_out.double().square().sum(0).mean()))
+        predicted = bound * math.sqrt((1 - zeros) / 3) * row_norm
         assert float(delta.square().mean().sqrt()) == pytest.approx(predicted, rel=0.15)
 
 
