@@ -11,7 +11,7 @@ from ..errors import CheckpointNotFoundError, InkError
 from ..serialize import reference_map
 from .chain import load_step, read_step_state
 from .commit import holds_run, list_steps, read_manifest
-from .manifest import StepManifest
+from .manifest import MAX_MANIFEST_BYTES, RUN_MARKER, StepManifest, parse_run_marker
 from .storage import RunLocation, open_storage
 
 __all__ = ["RunEntry", "describe_run", "verify_run", "is_run"]
@@ -80,17 +80,30 @@ def describe_run(url: RunLocation) -> list[RunEntry]:
     return [RunEntry.of(read_manifest(storage, step)) for step in list_steps(storage, names)]
 
 
-def verify_run(url: RunLocation) -> list[str]:
-    """Check every manifest, every checksum and that every step restores through its chain.
+def _marker_problems(storage: Any, names: list[str]) -> list[str]:
+    """The run marker must be there (a writer creates it before any step) and intact."""
+    if RUN_MARKER not in names:
+        return [f"run marker: {storage.describe(RUN_MARKER)} is missing; the run was damaged"]
+    try:
+        parse_run_marker(storage.read_bytes(RUN_MARKER, MAX_MANIFEST_BYTES), storage.describe(RUN_MARKER))
+    except (InkError, OSError) as exc:
+        return [f"run marker: {type(exc).__name__}: {exc}"]
+    return []
 
-    Returns one human-readable problem per line; an empty list means the run is sound.
-    Each step is decoded once: a delta reuses the decoded state of the step before it.
+
+def verify_run(url: RunLocation) -> list[str]:
+    """Check the run marker, every manifest, every checksum and that every step restores
+    through its chain.
+
+    Returns one human-readable problem per line (``step N: ...`` or ``run marker: ...``);
+    an empty list means the run is sound. Each step is decoded once: a delta reuses the
+    decoded state of the step before it.
     """
     try:
         storage, names = _open_run(url)
     except (InkError, OSError) as exc:
         return [str(exc)]
-    problems: list[str] = []
+    problems: list[str] = _marker_problems(storage, names)
     previous_step: Optional[int] = None
     previous: Optional[dict[str, torch.Tensor]] = None
     for step in list_steps(storage, names):

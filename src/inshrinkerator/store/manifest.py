@@ -12,12 +12,19 @@ A run is one flat folder (a local directory or an fsspec prefix)::
 A step exists exactly when its manifest exists. The manifests together are the run's
 index: listing them lists the committed steps, reading one gives a step's kind, its
 base step and its sizes.
+
+Manifests and the run marker are sealed: a ``crc32`` field (8 hex digits) holds the
+CRC-32 of the other fields in canonical JSON, and a reader accepts the file only if
+sealing what it parsed gives back exactly the bytes it read. Any damaged byte is then
+detected, including those of fields a restore never uses (``created``, ``policy``).
+Files written before the seal existed (no ``crc32`` field) are still read.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import zlib
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from typing import Any, Literal, Optional
@@ -35,6 +42,7 @@ __all__ = [
     "encode_manifest",
     "parse_manifest",
     "run_marker_bytes",
+    "parse_run_marker",
     "utc_now",
 ]
 
@@ -84,8 +92,57 @@ def utc_now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
+def _sealed(document: dict[str, Any]) -> dict[str, Any]:
+    """``document`` with its ``crc32`` field (re)computed over the other fields, placed last."""
+    body = {key: value for key, value in document.items() if key != "crc32"}
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode("utf-8")
+    return {**body, "crc32": f"{zlib.crc32(canonical):08x}"}
+
+
+def _check_seal(document: dict[str, Any], blob: bytes, indent: Optional[int], fields: frozenset[str], source: str) -> None:
+    """Refuse unknown fields, and a sealed document whose bytes are not exactly what its writer wrote."""
+    unknown = sorted(set(document) - fields)
+    if unknown:
+        raise CorruptCheckpointError(
+            f"{source}: unknown fields {str(unknown)[:80]}; the file was damaged or written by a newer "
+            "inshrinkerator"
+        )
+    if "crc32" in document and json.dumps(_sealed(document), indent=indent).encode("utf-8") != blob:
+        raise CorruptCheckpointError(
+            f"{source}: the bytes do not match the file's checksum; the run was damaged — restore this "
+            "file from a copy, or delete it (a step manifest: the step is dropped)"
+        )
+
+
+_MARKER_FIELDS = frozenset({"format", "version", "created", "crc32"})
+
+
 def run_marker_bytes() -> bytes:
-    return json.dumps({"format": RUN_FORMAT, "version": MANIFEST_VERSION, "created": utc_now()}).encode()
+    return json.dumps(_sealed({"format": RUN_FORMAT, "version": MANIFEST_VERSION, "created": utc_now()})).encode()
+
+
+def parse_run_marker(blob: bytes, source: str) -> None:
+    """Check a run marker's bytes (readers never need its content; ``inshrink verify`` checks it).
+
+    Raises:
+        CorruptCheckpointError: damaged; FormatError: a marker of an unsupported version.
+    """
+    if len(blob) > MAX_MANIFEST_BYTES:
+        raise CorruptCheckpointError(f"{source}: {len(blob)} bytes is too large for a run marker")
+    try:
+        document = json.loads(blob.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise CorruptCheckpointError(f"{source}: run marker is not valid JSON ({str(exc)[:80]})") from None
+    if not isinstance(document, dict) or document.get("format") != RUN_FORMAT:
+        raise CorruptCheckpointError(f"{source}: not an inshrinkerator run marker")
+    if document.get("version") != MANIFEST_VERSION:
+        raise FormatError(
+            f"{source}: run version {document.get('version')!r} is not supported (this build reads "
+            f"version {MANIFEST_VERSION}); upgrade inshrinkerator"
+        )
+    if not isinstance(document.get("created"), str):
+        raise CorruptCheckpointError(f"{source}: run marker field 'created' is not a string")
+    _check_seal(document, blob, None, _MARKER_FIELDS, source)
 
 
 @dataclass(frozen=True)
@@ -118,7 +175,10 @@ class StepManifest:
 
     def to_json(self) -> bytes:
         document = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, **asdict(self)}
-        return json.dumps(document, indent=1).encode("utf-8")
+        return json.dumps(_sealed(document), indent=1).encode("utf-8")
+
+
+_MANIFEST_FIELDS = frozenset({"format", "version", "crc32", *StepManifest.__dataclass_fields__})
 
 
 def encode_manifest(manifest: StepManifest) -> tuple[StepManifest, bytes]:
@@ -186,7 +246,7 @@ def parse_manifest(blob: bytes, source: str, expected_step: int) -> StepManifest
         raise CorruptCheckpointError(f"{source}: data file {str(data_file)[:80]!r} is not a data file of step {step}")
     if not isinstance(policy, str) or not isinstance(created, str) or not isinstance(rebased, bool):
         raise CorruptCheckpointError(f"{source}: policy, created or rebased has the wrong type")
-    return StepManifest(
+    manifest = StepManifest(
         step=step,
         kind=kind,
         base_step=base_step,
@@ -198,3 +258,5 @@ def parse_manifest(blob: bytes, source: str, expected_step: int) -> StepManifest
         created=created,
         rebased=rebased,
     )
+    _check_seal(document, blob, 1, _MANIFEST_FIELDS, source)
+    return manifest
