@@ -39,16 +39,17 @@ def test_round_trip(levels: int, density: float, count: int, seed: int) -> None:
 def test_long_runs_cost_few_tokens() -> None:
     runs = to_run_tokens(torch.tensor([1_000_000]), torch.tensor([3]), 2_000_000, 5)
     assert runs.tokens.numel() == 3
-    assert runs.extra_bit_count == 2 * 19
+    assert runs.extra_bit_count == 2 * 19  # two long runs, 2**19 <= r < 2**20
 
 
 def test_inconsistent_streams_are_refused() -> None:
-    runs = to_run_tokens(torch.tensor([5, 9]), torch.tensor([1, 2]), 20, 4)
+    runs = to_run_tokens(torch.tensor([5, 90]), torch.tensor([1, 2]), 200, 4)
+    assert runs.extra_bit_count > 0  # two long runs
     with pytest.raises(CorruptCheckpointError):
-        from_run_tokens(runs.tokens, runs.extra_bits, runs.extra_bit_count, 4, 21)
+        from_run_tokens(runs.tokens, runs.extra_bits, runs.extra_bit_count, 4, 201)
     with pytest.raises(CorruptCheckpointError):
-        from_run_tokens(runs.tokens, runs.extra_bits[:-1], runs.extra_bit_count, 4, 20)
+        from_run_tokens(runs.tokens, runs.extra_bits[:-1], runs.extra_bit_count, 4, 200)
     with pytest.raises(CorruptCheckpointError):
-        from_run_tokens(runs.tokens + 100, runs.extra_bits, runs.extra_bit_count, 4, 20)
+        from_run_tokens(runs.tokens + 100, runs.extra_bits, runs.extra_bit_count, 4, 200)
     with pytest.raises(CorruptCheckpointError):
         from_run_tokens(torch.full((30,), 3), b"", 0, 4, 20)

@@ -45,6 +45,7 @@ __all__ = [
     "make_level_table",
     "assign_ids",
     "stick_to_predicted",
+    "sticky_bounds",
     "reconstruct",
     "key_centres",
 ]
@@ -215,10 +216,32 @@ def assign_ids(
     return ids
 
 
-def _domain_distance(values: torch.Tensor, levels: torch.Tensor, domain: str) -> torch.Tensor:
-    if domain == LOG:
-        return (torch.log2(values.abs().clamp_min(1e-38)) - torch.log2(levels.abs().clamp_min(1e-38))).abs()
-    return (values - levels).abs()
+def sticky_bounds(table: LevelTable, stickiness: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per id, the value interval in which an element keeps that (predicted) id.
+
+    A centroid level's interval reaches ``(1 + stickiness)`` half-cells past its own
+    cell on each side (measured in log2 in the log domain); the zero level and the
+    protect id get empty intervals (prune and protect decisions are never overridden).
+    """
+    centroids = table.centroids().double()
+    count = centroids.numel()
+    low = torch.full((table.count,), float("inf"), dtype=torch.float64)
+    high = torch.full((table.count,), -float("inf"), dtype=torch.float64)
+    if count == 0:
+        return low.float(), high.float()
+    position = torch.log2(centroids) if table.domain == LOG else centroids
+    reach = 1.0 + stickiness
+    inf = torch.tensor([float("inf")], dtype=torch.float64)
+    below = torch.cat([-inf, position[:-1]])
+    above = torch.cat([position[1:], inf])
+    lower = position - reach * (position - below) / 2
+    upper = position + reach * (above - position) / 2
+    if table.domain == LOG:
+        lower, upper = torch.exp2(lower), torch.exp2(upper)
+    ids = torch.arange(table.count - 2)
+    ids = ids + (ids >= table.zero_index).long()
+    low[ids], high[ids] = lower, upper
+    return low.float(), high.float()
 
 
 def stick_to_predicted(
@@ -232,30 +255,17 @@ def stick_to_predicted(
     """Which of ``positions`` (where id and prediction differ) keep their predicted level.
 
     An element keeps a predicted centroid level while its value lies within
-    ``(1 + stickiness)`` half-cells of that level, the half-cell measured towards the
-    level its own id names: fewer ids change between checkpoints, and the error of
+    ``(1 + stickiness)`` half-cells of that level's cell (:func:`sticky_bounds`), and
+    its own id is a centroid too: fewer ids change between checkpoints, and the error of
     such an element stays below ``(1 + stickiness)`` times the worst nearest-level error.
     Returns a bool mask over ``positions``.
     """
-    level = predicted[positions].long()
-    towards = ids[positions].long()
-    movable = (level != table.zero_index) & (level < table.protect_id)
-    movable &= (towards != table.zero_index) & (towards < table.protect_id)
-    if not bool(movable.any()):
-        return movable
-    subset = torch.nonzero(movable).reshape(-1)
-    level, towards = level[subset], towards[subset]
-    levels = table.values.to(values.device)
-    up = towards > level
-    neighbour = torch.where(up, level + 1, level - 1)
-    neighbour = torch.where(neighbour == table.zero_index, torch.where(up, neighbour + 1, neighbour - 1), neighbour)
-    neighbour = neighbour.clamp(0, levels.numel() - 1)
-    x = values[positions[subset]].float()
-    half_cell = _domain_distance(levels[neighbour], levels[level], table.domain) / 2
-    distance = _domain_distance(x, levels[level], table.domain)
-    keep = torch.zeros_like(movable)
-    keep[subset] = distance <= (1.0 + stickiness) * half_cell
-    return keep
+    low, high = (bound.to(values.device) for bound in sticky_bounds(table, stickiness))
+    level = predicted.index_select(0, positions).long()
+    own = ids.index_select(0, positions).long()
+    x = values.index_select(0, positions).float()
+    keep = (x >= low.index_select(0, level)) & (x <= high.index_select(0, level))
+    return keep & (own != table.zero_index) & (own != table.protect_id)
 
 
 def reconstruct(

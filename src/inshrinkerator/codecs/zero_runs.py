@@ -2,7 +2,9 @@
 
 A stream of ``count`` values in ``[0, levels)`` becomes *tokens*: every
 non-zero value ``v`` is the token ``v - 1``; every maximal run of ``r >= 1``
-zeros is one *run token* ``levels - 1 + c`` with class ``c = floor(log2 r)``,
+zeros is one *run token*: ``levels - 1 + (r - 1)`` for a short run
+(``r <= SHORT_RUNS``, its length modelled exactly by the entropy coder), else
+``levels - 1 + SHORT_RUNS + (c - SHORT_CLASS)`` with class ``c = floor(log2 r)``
 plus ``c`` extra bits (``r - 2**c``, most significant first) in a separate
 packed bit string. Dense streams keep about one token per value; a stream of
 deltas that are mostly zero shrinks to about two tokens per non-zero value,
@@ -18,15 +20,19 @@ import torch
 
 from ..errors import CorruptCheckpointError
 
-__all__ = ["MAX_RUN_CLASSES", "RunTokens", "to_run_tokens", "from_run_tokens", "token_alphabet"]
+__all__ = ["MAX_RUN_CLASSES", "SHORT_RUNS", "RunTokens", "to_run_tokens", "from_run_tokens", "token_alphabet"]
 
 #: Runs up to 2**MAX_RUN_CLASSES - 1 zeros fit one token (longer than any tensor).
 MAX_RUN_CLASSES = 48
+#: Runs of at most this many zeros have a token of their own.
+SHORT_RUNS = 16
+_SHORT_CLASS = SHORT_RUNS.bit_length() - 1  # the class of SHORT_RUNS; longer runs start at it
+_LONG_CLASSES = MAX_RUN_CLASSES - _SHORT_CLASS
 
 
 def token_alphabet(levels: int) -> int:
     """Size of the token alphabet for values in ``[0, levels)``."""
-    return levels - 1 + MAX_RUN_CLASSES
+    return levels - 1 + SHORT_RUNS + _LONG_CLASSES
 
 
 class RunTokens:
@@ -63,9 +69,11 @@ def _unpack_bits(data: bytes, count: int) -> torch.Tensor:
     return bits.reshape(-1)[:count]
 
 
-def _classes(lengths: torch.Tensor) -> torch.Tensor:
-    # floor(log2 r) exactly: frexp gives r = m * 2**e with m in [0.5, 1).
-    return torch.frexp(lengths.double())[1].long() - 1
+def _classes(lengths: torch.Tensor, count: int) -> torch.Tensor:
+    # floor(log2 r) exactly: frexp gives r = m * 2**e with m in [0.5, 1); float32 holds
+    # every run length exactly below 2**24.
+    exact = lengths.float() if count < 1 << 24 else lengths.double()
+    return torch.frexp(exact)[1].long() - 1
 
 
 def to_run_tokens(positions: torch.Tensor, values: torch.Tensor, count: int, levels: int) -> RunTokens:
@@ -83,15 +91,15 @@ def to_run_tokens(positions: torch.Tensor, values: torch.Tensor, count: int, lev
     gaps = torch.cat([positions, torch.tensor([count])]) - previous - 1
     # Interleave: gap_0, value_0, gap_1, value_1, ..., gap_last (the trailing run).
     slots = torch.empty(2 * positions.numel() + 1, dtype=torch.int64)
-    classes = _classes(gaps.clamp_min(1))
-    slots[0::2] = levels - 1 + classes
+    long_run = gaps > SHORT_RUNS
+    classes = torch.where(long_run, _classes(gaps.clamp_min(1), count), 0)
+    slots[0::2] = levels - 1 + torch.where(long_run, SHORT_RUNS + classes - _SHORT_CLASS, gaps - 1)
     slots[1::2] = values - 1
     keep = torch.ones(slots.numel(), dtype=torch.bool)
-    present = gaps > 0
-    keep[0::2] = present
+    keep[0::2] = gaps > 0
     tokens = slots[keep]
-    runs = gaps[present]
-    run_classes = classes[present]
+    runs = gaps[long_run]
+    run_classes = classes[long_run]
     total_bits = int(run_classes.sum())
     if total_bits:
         extras = runs - (torch.ones_like(runs) << run_classes)
@@ -118,7 +126,8 @@ def from_run_tokens(
     if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= token_alphabet(levels)):
         raise CorruptCheckpointError("run-length tokens lie outside their alphabet")
     is_run = tokens >= levels - 1
-    run_classes = tokens[is_run] - (levels - 1)
+    is_long = tokens >= levels - 1 + SHORT_RUNS
+    run_classes = tokens[is_long] - (levels - 1 + SHORT_RUNS) + _SHORT_CLASS
     if run_classes.numel() and int(run_classes.max()) >= max(count.bit_length(), 1):
         raise CorruptCheckpointError("a run-length token claims a run longer than the tensor")
     total_bits = int(run_classes.sum())
@@ -127,14 +136,15 @@ def from_run_tokens(
             f"run-length tokens need {total_bits} extra bits, the stream holds {extra_bit_count}"
         )
     bits = _unpack_bits(extra_bits, extra_bit_count)
-    runs = torch.ones(run_classes.numel(), dtype=torch.int64) << run_classes
+    long_runs = torch.ones(run_classes.numel(), dtype=torch.int64) << run_classes
     if total_bits:
         owner = torch.repeat_interleave(torch.arange(run_classes.numel()), run_classes)
         starts = torch.cumsum(run_classes, 0) - run_classes
         shift = run_classes[owner] - 1 - (torch.arange(total_bits) - starts[owner])
-        runs.index_add_(0, owner, bits << shift)
-    lengths = torch.ones(tokens.numel(), dtype=torch.int64)
-    lengths[is_run] = runs
+        long_runs.index_add_(0, owner, bits << shift)
+    runs = tokens - (levels - 2)
+    runs[is_long] = long_runs
+    lengths = torch.where(is_run, runs, 1)
     if int(lengths.sum()) != count:
         raise CorruptCheckpointError(
             f"run-length tokens describe {int(lengths.sum())} values, expected {count}"
