@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import posixpath
+import secrets
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any, Optional, Union
+from typing import IO, Any, Optional, TypeVar, Union
 
 import fsspec
 import torch
@@ -19,6 +22,7 @@ from .serialize import ProgressCallback, read_state, reference_map, write_state
 
 __all__ = ["save", "load", "open_container", "PathLike"]
 
+T = TypeVar("T")
 PathLike = Union[str, "os.PathLike[str]"]
 BaseLike = Union[None, PathLike, Any]
 
@@ -56,6 +60,58 @@ def _base_references(base: BaseLike) -> Optional[dict[str, torch.Tensor]]:
     return reference_map(base)
 
 
+def _write_local(target: Path, produce: Callable[[IO[bytes]], T]) -> T:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            result = produce(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, target)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    return result
+
+
+def _write_whole(destination: str, produce: Callable[[IO[bytes]], T]) -> T:
+    """Write ``destination`` (local path or fsspec URL) under a temporary name beside it, then
+    move it into place: until the write is complete, ``destination`` keeps what it held.
+
+    (``fsspec.open(url, "wb")`` would not: some filesystems truncate or replace the file when
+    it is opened, and closing it after an error commits the partial bytes.)
+    """
+    if not _is_url(destination):
+        return _write_local(Path(destination), produce)
+    fs, path = fsspec.core.url_to_fs(destination)
+    protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+    if "file" in protocols or "local" in protocols:
+        return _write_local(Path(path), produce)
+    parent, name = posixpath.split(path)
+    temporary = posixpath.join(parent, f".{name}.{secrets.token_hex(4)}.tmp")
+    handle = fs.open(temporary, "wb")
+    try:
+        result = produce(handle)
+        handle.close()  # completes the upload
+        fs.mv(temporary, path)
+    except BaseException:
+        # Closing would complete the upload with partial content: abort it instead.
+        discard = getattr(handle, "discard", None)
+        if callable(discard) and not handle.closed:
+            discard()
+        try:
+            handle.closed = True
+        except AttributeError:
+            pass
+        try:
+            fs.rm_file(temporary)
+        except Exception:  # noqa: BLE001 - nothing there, or the store is unreachable: report the write's error
+            pass
+        raise
+    return result
+
+
 def save(
     state: Any,
     path: PathLike,
@@ -74,8 +130,9 @@ def save(
             needs the same base.
         progress: optional callback ``(bytes_done, bytes_total)`` after each tensor.
 
-    A local file is written under a temporary name and renamed into place, so an
-    interrupted save never leaves a damaged file at ``path``.
+    The file is written under a temporary name beside ``path`` and moved into place (local
+    files: renamed after an fsync), so a failed or interrupted save never leaves a damaged
+    file at ``path`` nor changes what was there.
 
     Raises:
         UnsupportedStateError: the state holds a value that cannot be stored.
@@ -84,22 +141,11 @@ def save(
     chosen = resolve_policy(policy)
     references = _base_references(base)
     destination = os.fspath(path)
-    if _is_url(destination):
-        with fsspec.open(destination, "wb") as handle:
-            written = write_state(handle, state, chosen, references, progress=progress)
-    else:
-        target = Path(destination)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-        try:
-            with os.fdopen(fd, "wb") as handle:
-                written = write_state(handle, state, chosen, references, progress=progress)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(temporary, target)
-        except BaseException:
-            Path(temporary).unlink(missing_ok=True)
-            raise
+    try:
+        written = _write_whole(destination, lambda handle: write_state(handle, state, chosen, references, progress=progress))
+    except Exception as exc:
+        exc.add_note(f"saving {destination} failed: what it held before (if anything) is unchanged")
+        raise
     return SaveInfo(
         step=None,
         kind="delta" if written.used_reference else "full",

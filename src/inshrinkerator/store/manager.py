@@ -12,15 +12,15 @@ from .. import policies
 from ..errors import BrokenChainError, CheckpointNotFoundError, CorruptCheckpointError
 from ..info import SaveInfo
 from ..policies import Policy, resolve_policy
-from ..serialize import reference_map, write_state
+from ..serialize import WrittenState, reference_map, write_state
 from ..tree import flatten
 from .async_worker import BackgroundWorker
 from .chain import load_step, resolve_chain
 from .commit import ensure_run_marker, list_steps, publish_manifest, read_manifest, remove_stale, write_data
-from .manifest import MAX_STEP, StepManifest, utc_now
+from .manifest import MAX_STEP, StepManifest, manifest_name, utc_now
 from .retention import apply_retention
 from .snapshot import snapshot_state
-from .storage import RunLocation, open_storage
+from .storage import RunLocation, RunStorage, open_storage
 
 __all__ = ["CheckpointManager", "DEFAULT_POLICY_PREFERENCE", "default_policy_name"]
 
@@ -74,6 +74,18 @@ def _private_cpu_copy(reconstruction: dict[str, torch.Tensor], inputs: Optional[
             tensor = tensor.detach().clone()
         private[key] = tensor
     return private
+
+
+def _discard_uncommitted(storage: RunStorage, step: int, data_file: str) -> None:
+    """Remove the data file of a step whose manifest write failed, unless the manifest landed
+    anyway (an object store may apply a write whose reply was lost: the step is then committed
+    and needs its data). Any error here leaves the file to the next writer's cleanup, so the
+    commit's own error is the one raised."""
+    try:
+        if manifest_name(step) not in storage.list_names():
+            storage.remove(data_file)
+    except Exception:  # noqa: BLE001 - cleanup after a failure must not mask it
+        pass
 
 
 class CheckpointManager:
@@ -219,6 +231,44 @@ class CheckpointManager:
     def _write_step(self, step: int, state: Any, base: Optional[StepManifest], private: bool) -> SaveInfo:
         """Encode, write and commit one step, then apply retention (runs on the worker when async)."""
         started = time.perf_counter()
+        try:
+            manifest, written = self._commit_step(step, state, base)
+        except Exception as exc:
+            exc.add_note(
+                f"saving step {step} to {self.location} failed before its commit: the step is not "
+                "in the run, and every step committed before it is intact"
+            )
+            raise
+        storage = self._storage
+        delta = manifest.kind == "delta"
+        self._latest, self._latest_known = manifest, True
+        self._latest_depth = self._latest_depth + 1 if delta else 0
+        self._reference = _private_cpu_copy(written.reconstruction, None if private else state)
+        self._reference_step = step
+        try:
+            plan = apply_retention(storage, self.keep_last, self._policy)
+            if plan.rebase:
+                # Re-basing shortened the chain that ends at this step.
+                self._latest = read_manifest(storage, step)
+                self._latest_depth = self._chain_depth(step)
+        except Exception as exc:
+            exc.add_note(
+                f"step {step} was committed to {self.location}; applying keep_last={self.keep_last} "
+                "failed after the commit (older steps may remain; the next save applies it again)"
+            )
+            raise
+        return SaveInfo(
+            step=step,
+            kind=manifest.kind,
+            raw_bytes=manifest.raw_bytes,
+            stored_bytes=manifest.stored_bytes,
+            ratio=manifest.raw_bytes / max(manifest.stored_bytes, 1),
+            seconds=time.perf_counter() - started,
+            policy=manifest.policy,
+        )
+
+    def _commit_step(self, step: int, state: Any, base: Optional[StepManifest]) -> tuple[StepManifest, WrittenState]:
+        """Write the step's data file, then its manifest (the commit); the manifest and what was written."""
         storage = self._storage
         if not self._writing:
             names = storage.list_names()
@@ -256,26 +306,9 @@ class CheckpointManager:
                 ),
             )
         except BaseException:
-            storage.remove(data_file)
+            _discard_uncommitted(storage, step, data_file)
             raise
-        self._latest, self._latest_known = manifest, True
-        self._latest_depth = self._latest_depth + 1 if delta else 0
-        self._reference = _private_cpu_copy(written.reconstruction, None if private else state)
-        self._reference_step = step
-        plan = apply_retention(storage, self.keep_last, self._policy)
-        if plan.rebase:
-            # Re-basing shortened the chain that ends at this step.
-            self._latest = read_manifest(storage, step)
-            self._latest_depth = self._chain_depth(step)
-        return SaveInfo(
-            step=step,
-            kind=manifest.kind,
-            raw_bytes=manifest.raw_bytes,
-            stored_bytes=manifest.stored_bytes,
-            ratio=manifest.raw_bytes / max(manifest.stored_bytes, 1),
-            seconds=time.perf_counter() - started,
-            policy=manifest.policy,
-        )
+        return manifest, written
 
     # ----------------------------------------------------------------- reading
 
