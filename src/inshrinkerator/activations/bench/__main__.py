@@ -21,11 +21,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workload", action="append", choices=list(WORKLOADS), help="repeat to pick several")
     parser.add_argument("--method", action="append", choices=list(METHODS), help="repeat to pick several")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    parser.add_argument("--parallel", action="store_true",
+                        help="run each workload in its own process (one core each)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     results = run_activation_bench(args.out, args.quick, workloads=args.workload, methods=args.method,
-                                   show_progress=not args.no_progress, threads=args.threads)
+                                   show_progress=not args.no_progress, threads=args.threads,
+                                   parallel=args.parallel)
     if args.json:
         print(json.dumps(results, indent=2))
     else:

@@ -38,7 +38,7 @@ class Method:
     name: str
     description: str
     bind: Callable[[Segmented], MethodRun]
-    quick: bool = True  # part of the --quick run
+    default: bool = True  # compared unless methods are named explicitly
 
 
 def _none(model: Segmented) -> MethodRun:
@@ -75,10 +75,10 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("ink-auto", "compress_activations, SZ3 or quantizer per tensor, adaptive bound",
            _ink(error_bound=0.02, adaptive=True, codec="auto")),
     Method("ink-fixed", "compress_activations, SZ3 or quantizer per tensor, fixed bound 2% of range",
-           _ink(error_bound=0.02, adaptive=False, codec="auto"), quick=False),
+           _ink(error_bound=0.02, adaptive=False, codec="auto"), default=False),
 )}
 
 
-def method_names(quick: bool) -> list[str]:
-    """The methods a run compares, in report order."""
-    return [name for name, method in METHODS.items() if method.quick or not quick]
+def method_names() -> list[str]:
+    """The methods a run compares by default, in report order."""
+    return [name for name, method in METHODS.items() if method.default]

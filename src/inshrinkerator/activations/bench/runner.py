@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import datetime
+import json
 import statistics
 import subprocess
+import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -109,81 +112,131 @@ def _summarize(workload: ActivationWorkload, methods: list[str], memory: dict[st
     return rows
 
 
+def _run_workload(name: str, quick: bool, chosen: list[str], threads: int,
+                  progress: _Progress) -> dict[str, Any]:
+    workload = WORKLOADS[name]
+    steps = workload.quick_steps if quick else workload.steps
+    memory_batch = workload.memory_batch_size // (2 if quick else 1)
+    rounds, per_round = _timing(quick)
+    seeds = _seeds(name, quick)
+    memory, probes, quality, compressors = {}, {}, {}, {}
+    for method in chosen:
+        progress.describe(f"{name}: memory of {method}")
+        memory[method] = saved_activation_bytes(workload, method, seed=0, batch_size=memory_batch)
+        progress.advance()
+        probes[method] = probe_in_subprocess(name, method, 0, memory_batch, steps=4, threads=threads)
+        progress.advance()
+    progress.describe(f"{name}: step times")
+    times = _step_times(workload, chosen, rounds, per_round, progress.advance)
+    for method in chosen:
+        quality[method] = []
+        for seed in seeds:
+            progress.describe(f"{name}: training with {method}, seed {seed}")
+            trainer = Trainer.create(workload, method, seed)
+            for step in range(steps):
+                trainer.step(step)
+            run = workload.evaluate(trainer.model)
+            if trainer.run.compressor is not None:
+                run["codec_ratio"] = trainer.run.compressor.statistics.ratio
+                compressors[method] = trainer.run.compressor
+            quality[method].append(run)
+            progress.advance()
+    return {
+        "description": workload.description, "primary_metric": workload.primary_metric,
+        "steps": steps, "batch_size": workload.batch_size, "memory_batch_size": memory_batch,
+        "seeds": seeds, "methods": _summarize(workload, chosen, memory, probes, times, quality, compressors),
+    }
+
+
+def _timing(quick: bool) -> tuple[int, int]:
+    return (3, 3) if quick else (5, 5)
+
+
+def _seeds(name: str, quick: bool) -> list[int]:
+    return [0] if quick or name != "digits-cnn" else [0, 1, 2]
+
+
+def _acceptance(results: dict[str, Any]) -> Optional[dict[str, Any]]:
+    row = results["workloads"].get("digits-cnn", {}).get("methods", {}).get(_COMPARED)
+    if row is None:
+        return None
+    return {
+        "saved-activation reduction": f"{row['reduction']:.1f}x (need >= 5x, target >= 10x)",
+        "accuracy change": f"{row['metric_change']:+.2f} points (need within 0.5)",
+        "peak RSS change": f"{row['peak_rss_change'] / (1 << 20):+.0f} MB",
+        "step-time overhead": f"{row['step_overhead_percent']:+.0f}%",
+        "passed": bool(row["reduction"] >= 5 and abs(row["metric_change"]) <= 0.5),
+    }
+
+
+def _run_in_subprocesses(names: list[str], quick: bool, methods: list[str], threads: int,
+                         scratch: Path, show_progress: bool) -> dict[str, Any]:
+    """Each workload in its own process (one core each), then their workload sections."""
+    running = []
+    for name in names:
+        command = [sys.executable, "-m", "inshrinkerator.activations.bench", "--workload", name,
+                   "--out", str(scratch / name), "--threads", str(threads), "--no-progress"]
+        command += ["--quick"] if quick else []
+        for method in methods:
+            command += ["--method", method]
+        running.append((name, subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                               text=True)))
+    sections = {}
+    for name, process in running:
+        _, errors = process.communicate()
+        if process.returncode != 0:
+            raise RuntimeError(f"activation bench of {name} failed:\n{errors[-3000:]}")
+        if show_progress:
+            print(f"activation bench: {name} done", file=sys.stderr)
+        sections[name] = json.loads((scratch / name / "activations.json").read_text())["workloads"][name]
+    return sections
+
+
 def run_activation_bench(out_dir: Path, quick: bool = False, *, workloads: Optional[list[str]] = None,
                          methods: Optional[list[str]] = None, show_progress: bool = True,
-                         threads: int = 1) -> dict[str, Any]:
+                         threads: int = 1, parallel: bool = False) -> dict[str, Any]:
     """Measure every method on every workload; write JSON, markdown and a PNG plot to ``out_dir``.
 
-    ``quick`` shortens training and timing (about two minutes on two busy cores). Returns the
-    results dictionary that was written to ``out_dir / "activations.json"``.
+    ``quick`` shortens training and timing. ``parallel`` runs each workload in its own
+    process (one thread each: on two cores the two workloads then take one core each).
+    Returns the results dictionary that was written to ``out_dir / "activations.json"``.
     """
     out_dir = Path(out_dir)
     names = workloads or list(WORKLOADS)
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown:
         raise ValueError(f"unknown activation workload(s) {unknown}; choose from {list(WORKLOADS)}")
-    chosen = methods or method_names(quick)
+    chosen = methods or method_names()
     if "none" not in chosen:
         chosen = ["none", *chosen]
-    previous_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)  # one thread: stable timings on a shared machine
-    rounds, per_round = (3, 3) if quick else (5, 5)
-    seeds = {name: ([0] if quick else ([0, 1, 2] if name == "digits-cnn" else [0, 1])) for name in names}
-    total = sum(len(chosen) * (2 + rounds + len(seeds[name])) for name in names)
-    progress = _Progress(show_progress, total)
+    command = "python -m inshrinkerator.activations.bench" + (" --quick" if quick else "")
+    command += " --parallel" if parallel else ""
     results: dict[str, Any] = {
         "meta": {
             "commit": _commit(), "torch": torch.__version__, "threads": threads, "quick": quick,
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "command": "python -m inshrinkerator.activations.bench" + (" --quick" if quick else ""),
+            "command": command,
         },
         "workloads": {},
     }
-    try:
-        for name in names:
-            workload = WORKLOADS[name]
-            steps = workload.quick_steps if quick else workload.steps
-            memory_batch = workload.memory_batch_size // (2 if quick else 1)
-            memory, probes, quality, compressors = {}, {}, {}, {}
-            for method in chosen:
-                progress.describe(f"{name}: memory of {method}")
-                memory[method] = saved_activation_bytes(workload, method, seed=0, batch_size=memory_batch)
-                progress.advance()
-                probes[method] = probe_in_subprocess(name, method, 0, memory_batch, steps=4, threads=threads)
-                progress.advance()
-            progress.describe(f"{name}: step times")
-            times = _step_times(workload, chosen, rounds, per_round, progress.advance)
-            for method in chosen:
-                quality[method] = []
-                for seed in seeds[name]:
-                    progress.describe(f"{name}: training with {method}, seed {seed}")
-                    trainer = Trainer.create(workload, method, seed)
-                    for step in range(steps):
-                        trainer.step(step)
-                    run = workload.evaluate(trainer.model)
-                    if trainer.run.compressor is not None:
-                        run["codec_ratio"] = trainer.run.compressor.statistics.ratio
-                        compressors[method] = trainer.run.compressor
-                    quality[method].append(run)
-                    progress.advance()
-            summary = _summarize(workload, chosen, memory, probes, times, quality, compressors)
-            results["workloads"][name] = {
-                "description": workload.description, "primary_metric": workload.primary_metric,
-                "steps": steps, "batch_size": workload.batch_size, "memory_batch_size": memory_batch,
-                "seeds": seeds[name], "methods": summary,
-            }
-    finally:
-        progress.stop()
-        torch.set_num_threads(previous_threads)
-    cnn = results["workloads"].get("digits-cnn", {}).get("methods", {})
-    if _COMPARED in cnn:
-        row = cnn[_COMPARED]
-        results["acceptance"] = {
-            "saved-activation reduction": f"{row['reduction']:.1f}x (need >= 5x, target >= 10x)",
-            "accuracy change": f"{row['metric_change']:+.2f} points (need within 0.5)",
-            "peak RSS change": f"{row['peak_rss_change'] / (1 << 20):+.0f} MB",
-            "step-time overhead": f"{row['step_overhead_percent']:+.0f}%",
-            "passed": bool(row["reduction"] >= 5 and abs(row["metric_change"]) <= 0.5),
-        }
+    if parallel and len(names) > 1:
+        with tempfile.TemporaryDirectory() as scratch:
+            results["workloads"] = _run_in_subprocesses(names, quick, chosen, threads, Path(scratch),
+                                                        show_progress)
+    else:
+        rounds, _ = _timing(quick)
+        total = sum(len(chosen) * (2 + rounds + len(_seeds(name, quick))) for name in names)
+        progress = _Progress(show_progress, total)
+        previous_threads = torch.get_num_threads()
+        torch.set_num_threads(threads)  # one thread: stable timings on a shared machine
+        try:
+            for name in names:
+                results["workloads"][name] = _run_workload(name, quick, chosen, threads, progress)
+        finally:
+            progress.stop()
+            torch.set_num_threads(previous_threads)
+    acceptance = _acceptance(results)
+    if acceptance is not None:
+        results["acceptance"] = acceptance
     write_report(results, out_dir)
     return results

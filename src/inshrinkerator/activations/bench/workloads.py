@@ -177,9 +177,9 @@ WORKLOADS: dict[str, ActivationWorkload] = {
         "digits-cnn", "CNN (3 conv + BN + ReLU, max-pool, dropout) on sklearn digits, Adam",
         make_digits_cnn, _digits_batch, F.cross_entropy, _digits_evaluate,
         lambda model: torch.optim.Adam(model.parameters(), lr=2e-3),
-        batch_size=64, memory_batch_size=1024, steps=400, quick_steps=120, primary_metric="accuracy"),
+        batch_size=64, memory_batch_size=1024, steps=300, quick_steps=120, primary_metric="accuracy"),
     "char-transformer": ActivationWorkload(
         "char-transformer", "2-layer character GPT (width 128, context 64) on stdlib source, AdamW",
         make_char_transformer, _text_batch, _text_loss, _text_evaluate, _adamw,
-        batch_size=32, memory_batch_size=128, steps=300, quick_steps=60, primary_metric="val_loss"),
+        batch_size=32, memory_batch_size=128, steps=200, quick_steps=60, primary_metric="val_loss"),
 }
