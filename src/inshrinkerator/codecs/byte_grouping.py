@@ -62,18 +62,22 @@ _RAW, _ZSTD, _PAIR, _PAIRED = 0, 1, 2, 3
 _COUNT = struct.Struct("<I")
 # Bytes sampled (evenly spread) to estimate a plane's entropy.
 _SAMPLE_BYTES = 4096
-# Estimated bits/byte above which a float plane is stored raw: zstd's literal coder
-# cannot win enough there to pay for itself (weights' low mantissa planes: 7.94-7.97;
-# the estimate from 4096 samples reads ~0.045 bits low on uniform bytes).
-_NEAR_RANDOM_BITS = 7.9
-# Below this estimate an exponent plane is Huffman-coded without a probe: weights'
-# exponents (2.3-2.8 bits) lose to LZ matches. Other planes that are not near random
-# are probed: both coders run on a few spread slices and the smaller wins.
-_PROBE_ABOVE_BITS = 3.0
+# Estimated bits/byte above which a float plane is stored raw: coding it would save
+# under ~3% (weights' low mantissa planes: 7.94-7.97 bits; Adam moments' with their
+# zeros: ~7.67) at the cost of most of the codec's time. (The estimate from 4096
+# samples reads ~0.045 bits low on uniform bytes.)
+_NEAR_RANDOM_BITS = 7.7
+# How a plane that is worth coding is coded: zstd's Huffman literals alone, or light
+# LZ on top (three times slower; it pays on repeats: runs of zeros, the rows of Adam's
+# second moment, whose exponent planes shrink 8-20% more). Exponent planes below
+# _EXPONENT_LZ_BITS (weights': 2.3-2.8 bits; matches only cost there) and other planes
+# above _PROBE_BELOW_BITS (random bytes plus some zeros) go straight to Huffman; the
+# rest are probed: both coders run on a few spread slices, and LZ must win by 3%.
+_EXPONENT_LZ_BITS = 3.0
+_PROBE_BELOW_BITS = 7.0
 _PROBE_BYTES = 16384
 _PROBE_SLICES = 4
-# An LZ frame must beat the Huffman one by this factor on the probe to be chosen.
-_LZ_PROBE_GAIN = 0.99
+_LZ_PROBE_GAIN = 0.97
 # Tensors smaller than this are coded in one chunk (thread hand-offs cost more).
 _MIN_PARALLEL_BYTES = 1 << 18
 _MAX_CHUNK_ELEMENTS = 1 << 28
@@ -138,7 +142,7 @@ def _code_float_plane(plane: Any, count: int, level: Optional[int], exponent: bo
     data = np.ascontiguousarray(plane)
     if level is not None:
         frame = lz_frame(data, level)
-    elif (exponent and bits < _PROBE_ABOVE_BITS) or count <= 2 * _PROBE_BYTES:
+    elif count <= 2 * _PROBE_BYTES or (bits < _EXPONENT_LZ_BITS if exponent else bits > _PROBE_BELOW_BITS):
         frame = huffman_frame(data)
     else:
         probe = _probe(data)
@@ -152,7 +156,7 @@ def _code_float_plane(plane: Any, count: int, level: Optional[int], exponent: bo
 def _code_integer_plane(plane: Any, count: int, level: Optional[int]) -> tuple[int, Any]:
     # Integer planes are often sequences or repeats that an order-0 estimate calls
     # random (indices, counters); LZ finds those, and costs little on random bytes.
-    frame = lz_frame(np.ascontiguousarray(plane), 1 if level is None else level)
+    frame = lz_frame(np.ascontiguousarray(plane), level)
     return (_ZSTD, frame) if len(frame) < count else (_RAW, plane)
 
 

@@ -16,8 +16,9 @@ held), so its planes are coded as standard zstd frames, by one of two coders:
   compression forced on). On exponent planes, where LZ matches cost more than
   the literals they replace, this is both the smallest and the fastest zstd
   output (MiniLM exponents: within 2% of their order-0 entropy at ~0.8-1 GB/s).
-- :func:`lz_frame`: stock zstd (level 1 by default), for planes with repeats
-  (runs of zeros, Adam's second moment, integers).
+- :func:`lz_frame`: light LZ matching on top of the same forced Huffman literals
+  (or a stock zstd level), for planes with repeats (runs of zeros, Adam's second
+  moment, integers).
 
 Both decode with :func:`expand_frame`, which bounds the output size.
 """
@@ -159,6 +160,14 @@ _HUFFMAN_OPTIONS = {
     _std_zstd.CompressionParameter.target_length: 1 << 17,  # fast strategy: acceleration
     _LITERAL_COMPRESSION_MODE: 1,
 }
+# Light LZ on top of forced Huffman literals: finds runs and repeats (zeros of dead
+# units, the rows of Adam's second moment) ~15% faster than stock level 1 and as small.
+_LZ_OPTIONS = {
+    **_HUFFMAN_OPTIONS,
+    _std_zstd.CompressionParameter.hash_log: 14,
+    _std_zstd.CompressionParameter.chain_log: 14,
+    _std_zstd.CompressionParameter.target_length: 0,
+}
 # Used when the zstd build refuses the literal mode: the closest stock parameters.
 _FALLBACK_PARAMETERS = zstandard.ZstdCompressionParameters(
     window_log=17, hash_log=6, chain_log=6, search_log=1, min_match=7, target_length=0,
@@ -225,8 +234,15 @@ def huffman_frame(data: Any) -> bytes:
     return fallback.compress(data)
 
 
-def lz_frame(data: Any, level: int = 1) -> bytes:
-    """One zstd frame of ``data`` at a stock zstd ``level``."""
+def lz_frame(data: Any, level: Optional[int] = None) -> bytes:
+    """One zstd frame of ``data``: light LZ + Huffman literals, or a stock zstd ``level``."""
+    if level is None:
+        if _huffman_checked is None:
+            _huffman_works()
+        if _huffman_checked:
+            compressor = _thread_coder("lz", lambda: _std_zstd.ZstdCompressor(options=_LZ_OPTIONS))
+            return compressor.compress(data, mode=compressor.FLUSH_FRAME)
+        level = 1
     return _thread_coder(("lz", level), lambda: zstandard.ZstdCompressor(level=level)).compress(data)
 
 
