@@ -10,12 +10,13 @@ bf16) or its top 8 bits (fp64), or the exponent and top mantissa bits (fp16).
 Each plane of each chunk is stored one of two ways, chosen from a sample of it:
 
 - raw, when its estimated order-0 entropy says it is near random (most mantissa
-  planes: coding them costs time and saves nothing);
+  planes: coding them would save under ~3% and cost most of the codec's time).
+  Two adjacent raw planes of the input bytes travel as one interleaved pair;
 - one zstd frame (see :mod:`.entropy`): Huffman-coded literals with almost no
-  LZ matching for low-entropy float planes such as exponents, where matches cost
-  more than they save; stock zstd level 1 where a probe shows repeats pay (runs
-  of zeros, Adam's second moment) and for every integer or bool plane (the high
-  bytes of small integers, sequences). A frame that is not smaller is stored raw.
+  LZ matching for weights' exponent planes, where matches cost more than they
+  save; Huffman plus light LZ where a probe shows repeats pay (runs of zeros,
+  the rows of Adam's second moment) and for every integer or bool plane (the
+  high bytes of small integers, sequences). A frame that is not smaller is raw.
 
 Chunks are coded in parallel. Byte planes are a byte-level layout of CPU buffers
 handed to zstd, so they are built with numpy at this I/O edge.
