@@ -94,7 +94,7 @@ def _write_whole(destination: str, produce: Callable[[IO[bytes]], T]) -> T:
     try:
         result = produce(handle)
         handle.close()  # completes the upload
-        fs.mv(temporary, path)
+        fs.cp_file(temporary, path)  # one atomic replace (a server-side copy on object stores)
     except BaseException:
         # Closing would complete the upload with partial content: abort it instead.
         discard = getattr(handle, "discard", None)
@@ -104,12 +104,17 @@ def _write_whole(destination: str, produce: Callable[[IO[bytes]], T]) -> T:
             handle.closed = True
         except AttributeError:
             pass
-        try:
-            fs.rm_file(temporary)
-        except Exception:  # noqa: BLE001 - nothing there, or the store is unreachable: report the write's error
-            pass
+        _remove_quietly(fs, temporary)
         raise
+    _remove_quietly(fs, temporary)  # the file is in place: a temporary left behind is only clutter
     return result
+
+
+def _remove_quietly(fs: Any, path: str) -> None:
+    try:
+        fs.rm_file(path)
+    except Exception:  # noqa: BLE001 - nothing there, or the store is unreachable: not the caller's error
+        pass
 
 
 def save(
