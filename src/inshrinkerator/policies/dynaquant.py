@@ -36,6 +36,7 @@ from typing import Any, Optional
 import torch
 
 from ..codecs import Codec
+from ..codecs._parallel import parallel_map
 from ..codecs.bucket_delta import EntropyStats
 from ..codecs.dynaquant import DynaQuantCodec, DynaQuantDeltaCodec
 from ..codecs.log_sketch import MAGNITUDE_KEYS, SIGNED_KEYS, signed_keys
@@ -64,8 +65,10 @@ class SearchRecord:
     evaluations: int
     seconds: float
     config: dict[str, Any]
-    quality: Optional[float]
+    quality: Optional[float]  # of the nearest-level quantization the search judged
     feasible: bool
+    stored_quality: Optional[float] = None  # of what was stored (stickiness included)
+    stickiness: float = 0.0  # what the deltas used (0 after a fallback)
 
 
 @dataclass
@@ -78,6 +81,8 @@ class _Memory:
     pending: dict[str, DynaQuantCodec] = field(default_factory=dict)
     searches: list[SearchRecord] = field(default_factory=list)
     entropy: EntropyStats = field(default_factory=EntropyStats)
+    #: stored proxy error / nearest-level proxy error of the last delta (stickiness's cost)
+    inflation: Optional[float] = None
 
 
 def _guess_layer_type(leaf: TensorLeaf) -> str:
@@ -194,9 +199,47 @@ class DynaQuant(Policy):
         eligible = [
             leaf.tensor.dtype.is_floating_point and leaf.tensor.numel() >= self.min_numel for leaf in leaves
         ]
-        self._plan_weights(leaves, references, layout, eligible, codecs)
+        weights = self._plan_weights(leaves, references, layout, eligible, codecs)
         self._plan_moments(leaves, references, layout, eligible, codecs)
+        # Encode now, in parallel: the writer's encode calls then return at once, and the
+        # stored weights' real error (stickiness included) can be checked against the budget.
+        prepared = [
+            (i, codecs[i]) for i in range(len(leaves)) if isinstance(codecs[i], DynaQuantCodec)
+        ]
+        prepared.sort(key=lambda item: -leaves[item[0]].tensor.numel())
+        encoded = parallel_map(
+            lambda item: item[1].prepare(leaves[item[0]].tensor, _reference_for(item[1], leaves[item[0]], references[item[0]])),
+            prepared,
+        )
+        if weights is not None:
+            self._check_stored_weights(leaves, references, codecs, weights, dict(zip((i for i, _ in prepared), encoded)))
         return codecs
+
+    def _check_stored_weights(
+        self,
+        leaves: Sequence[TensorLeaf],
+        references: Sequence[Optional[torch.Tensor]],
+        codecs: list[Codec],
+        weights: "_WeightPlan",
+        encoded: dict[int, Any],
+    ) -> None:
+        """Measure what the stored weights lose; re-encode without stickiness if over budget."""
+        record = weights.record
+        stored = weights.stored_quality(encoded)
+        record.stored_quality, record.stickiness = stored, self.stickiness
+        sticky = [i for i in weights.indices if codecs[i].uses_reference and self.stickiness > 0]
+        if sticky and record.quality:
+            self._memory.inflation = max(stored / record.quality, 1.0) if record.quality > 0 else None
+        if stored <= weights.budget or not sticky:
+            return
+        for index in sticky:
+            codec = codecs[index]
+            plain = type(codec).from_config({**codec.get_config(), "stickiness": 0.0})
+            plain._hints = codec._hints  # noqa: SLF001 - same hints, no stickiness
+            codecs[index] = plain
+        again = parallel_map(lambda i: codecs[i].prepare(leaves[i].tensor, references[i]), sticky)
+        encoded.update(zip(sticky, again))
+        record.stored_quality, record.stickiness = weights.stored_quality(encoded), 0.0
 
     # ----------------------------------------------------------------- weights
 
@@ -224,17 +267,24 @@ class DynaQuant(Policy):
         layout: StateLayout,
         eligible: list[bool],
         codecs: list[Codec],
-    ) -> None:
+    ) -> Optional["_WeightPlan"]:
         indices = [i for i in layout.indices(TensorRole.WEIGHT) if eligible[i]]
         if not indices:
-            return
+            return None
         started = time.perf_counter()
         keys = {i: format_key_path(leaves[i].path) for i in indices}
         trials = {i: self._trial(leaves, layout, i) for i in indices}
         init = {i: self._memory.centroids[keys[i]] for i in indices if keys[i] in self._memory.centroids}
         budget = self.tolerance * (PROXY_SCALE if self.evaluate is None else 1.0)
+        deltas = any(_usable_reference(leaves[i].tensor, references[i]) is not None for i in indices)
+        inflation = 1.0
+        if deltas and self.stickiness > 0:
+            # Leave room for what stickiness adds to the nearest-level error, as measured
+            # on the last delta (a guess before the first).
+            inflation = self._memory.inflation or 1.0 + 1.3 * self.stickiness
         cube = ConfigurationCube(
-            trials, leaves, self.bins, self.embedding_bins, self.prune, self.protect, budget, self.evaluate, init
+            trials, leaves, self.bins, self.embedding_bins, self.prune, self.protect, budget / inflation,
+            self.evaluate, init,
         )
         point, metric, kind = cube.search(self._memory.best, self.neighbourhood)
         record = SearchRecord(
@@ -247,7 +297,7 @@ class DynaQuant(Policy):
         )
         self._memory.searches.append(record)
         if point is None:
-            return  # nothing meets the tolerance: the weights stay lossless this time
+            return None  # nothing meets the tolerance: the weights stay lossless this time
         self._memory.best = (point, metric)
         for index in indices:
             result = cube.result(index, point, metric)
@@ -258,7 +308,7 @@ class DynaQuant(Policy):
             codec_type = DynaQuantDeltaCodec if reference is not None else DynaQuantCodec
             codec = codec_type(
                 bins=cube.config(index, point, metric).bins, prune=0.0, protect=0.0,
-                sigma=self.sigma, stickiness=self.stickiness,
+                sigma=self.sigma, stickiness=self.stickiness if reference is not None else 0.0,
             )
             codecs[index] = codec.with_hints(
                 keys=trial.keys,
@@ -270,6 +320,7 @@ class DynaQuant(Policy):
                 protect_mask=result.protect_mask,
                 stats=self._memory.entropy,
             )
+        return _WeightPlan(indices, trials, cube, record, budget, self.evaluate)
 
     # ----------------------------------------------------------------- moments
 
@@ -326,3 +377,32 @@ class DynaQuant(Policy):
         mean = float((counts[finite].double() * centres[finite]).sum()) / total
         # Keep |m| > cut: prune the keys up to and including the cut's own bucket.
         return max(_key_of(self.first_moment_keep * mean) + 1, 1) if self.first_moment_keep > 0 else 1
+
+
+def _reference_for(codec: Codec, leaf: TensorLeaf, reference: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return reference if codec.uses_reference else None
+
+
+@dataclass
+class _WeightPlan:
+    """The weights one save quantizes, and how to judge what was stored for them."""
+
+    indices: list[int]
+    trials: dict[int, WeightTrial]
+    cube: ConfigurationCube
+    record: SearchRecord
+    budget: float
+    evaluate: Optional[Callable[[dict[str, torch.Tensor]], float]]
+
+    def stored_quality(self, encoded: dict[int, Any]) -> float:
+        """The quality measure of the weights as stored (the proxy, or ``evaluate``)."""
+        if self.evaluate is not None:
+            return self.cube.relative_loss({i: encoded[i].reconstruction for i in self.indices})
+        error = 0.0
+        for index in self.indices:
+            trial = self.trials[index]
+            difference = (encoded[index].reconstruction.reshape(-1).float() - trial.flat.float()) ** 2
+            if trial.weights is not None:
+                difference = difference * trial.weights
+            error += float(difference[torch.isfinite(difference)].sum())
+        return error / self.cube.total_mass

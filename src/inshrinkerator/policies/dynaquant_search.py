@@ -315,10 +315,13 @@ class ConfigurationCube:
         }
 
     def _evaluated_loss(self, point: Point, metric: str) -> float:
+        return self.relative_loss({i: self.dequantize(i, point, metric) for i in self.trials})
+
+    def relative_loss(self, replaced: dict[int, torch.Tensor]) -> float:
+        """``(evaluate(model with these tensors) - evaluate(model)) / |evaluate(model)|``."""
         if self._baseline is None:
             self._baseline = float(self.evaluate(self._model_state({})))  # type: ignore[misc]
-        quantized = {i: self.dequantize(i, point, metric) for i in self.trials}
-        value = float(self.evaluate(self._model_state(quantized)))  # type: ignore[misc]
+        value = float(self.evaluate(self._model_state(replaced)))  # type: ignore[misc]
         if not math.isfinite(value):
             return math.inf
         return (value - self._baseline) / max(abs(self._baseline), 1e-12)
