@@ -10,7 +10,7 @@ bf16) or its top 8 bits (fp64), or the exponent and top mantissa bits (fp16).
 Each plane of each chunk is stored one of two ways, chosen from a sample of it:
 
 - raw, when its estimated order-0 entropy says it is near random (most mantissa
-  planes: coding them would save under ~3% and cost most of the codec's time).
+  planes: coding them would save under ~5% and cost most of the codec's time).
   Two adjacent raw planes of the input bytes travel as one interleaved pair;
 - one zstd frame (see :mod:`.entropy`): Huffman-coded literals with almost no
   LZ matching for weights' exponent planes, where matches cost more than they
@@ -64,21 +64,21 @@ _COUNT = struct.Struct("<I")
 # Bytes sampled (evenly spread) to estimate a plane's entropy.
 _SAMPLE_BYTES = 4096
 # Estimated bits/byte above which a float plane is stored raw: coding it would save
-# under ~3% (weights' low mantissa planes: 7.94-7.97 bits; Adam moments' with their
-# zeros: ~7.67) at the cost of most of the codec's time. (The estimate from 4096
-# samples reads ~0.045 bits low on uniform bytes.)
-_NEAR_RANDOM_BITS = 7.7
+# under ~5% of it (weights' low mantissa planes: 7.94-7.97 bits; Adam moments': ~7.7)
+# while costing most of the codec's time. (The estimate from 4096 samples reads
+# ~0.045 bits low on uniform bytes.)
+_NEAR_RANDOM_BITS = 7.55
 # How a plane that is worth coding is coded: zstd's Huffman literals alone, or light
 # LZ on top (three times slower; it pays on repeats: runs of zeros, the rows of Adam's
 # second moment, whose exponent planes shrink 8-20% more). Exponent planes below
 # _EXPONENT_LZ_BITS (weights': 2.3-2.8 bits; matches only cost there) and other planes
 # above _PROBE_BELOW_BITS (random bytes plus some zeros) go straight to Huffman; the
-# rest are probed: both coders run on a few spread slices, and LZ must win by 3%.
+# rest are probed: both coders run on a few spread slices, and LZ must win by 10%.
 _EXPONENT_LZ_BITS = 3.0
 _PROBE_BELOW_BITS = 7.0
 _PROBE_BYTES = 16384
 _PROBE_SLICES = 4
-_LZ_PROBE_GAIN = 0.97
+_LZ_PROBE_GAIN = 0.90
 # Tensors smaller than this are coded in one chunk (thread hand-offs cost more).
 _MIN_PARALLEL_BYTES = 1 << 18
 _MAX_CHUNK_ELEMENTS = 1 << 28
