@@ -210,24 +210,31 @@ class InkContender(Contender):
 def measure(contenders: list[Contender], raw: int, runs: int) -> dict[str, dict[str, float]]:
     """Best-of-``runs`` compress/decompress times, runs interleaved across contenders.
 
-    Wall-clock time is what a user waits; process CPU time (all threads) is what the
-    work costs, and is far less disturbed by other load on a shared machine.
+    A small data set is compressed several times back to back per timed run (at least
+    ~40 MB in all), so timer and scheduling noise do not swamp a few milliseconds of
+    work. Wall-clock time is what a user waits; process CPU time (all threads) is what
+    the work costs, and is far less disturbed by other load on a shared machine.
     """
+    repeats = max(1, -(-(40 << 20) // raw))
     phases = ("compress", "decompress", "compress_cpu", "decompress_cpu")
     best = {c.name: dict.fromkeys(phases, float("inf")) for c in contenders}
     stored = {}
     for _ in range(runs):
         for contender in contenders:
-            contender.prepare()
-            wall, cpu = time.perf_counter(), time.process_time()
-            stored[contender.name] = contender.compress()
-            wall_mid, cpu_mid = time.perf_counter(), time.process_time()
-            contender.decompress()
-            wall_end, cpu_end = time.perf_counter(), time.process_time()
+            spent = dict.fromkeys(phases, 0.0)
+            for _ in range(repeats):
+                contender.prepare()
+                wall, cpu = time.perf_counter(), time.process_time()
+                stored[contender.name] = contender.compress()
+                wall_mid, cpu_mid = time.perf_counter(), time.process_time()
+                contender.decompress()
+                wall_end, cpu_end = time.perf_counter(), time.process_time()
+                for phase, seconds in zip(phases, (wall_mid - wall, wall_end - wall_mid, cpu_mid - cpu, cpu_end - cpu_mid)):
+                    spent[phase] += seconds
             contender.check()
             record = best[contender.name]
-            for phase, seconds in zip(phases, (wall_mid - wall, wall_end - wall_mid, cpu_mid - cpu, cpu_end - cpu_mid)):
-                record[phase] = min(record[phase], seconds)
+            for phase in phases:
+                record[phase] = min(record[phase], spent[phase] / repeats)
     return {
         name: {
             "stored_bytes": int(stored[name]),
