@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from inshrinkerator.codecs import DynaQuantCodec
-from inshrinkerator.policies.quantization_trials import MAGNITUDE, SENSITIVITY, TrialConfig, WeightTrial, quantile_key
+from inshrinkerator.policies.quantization_trials import (
+    MAGNITUDE,
+    PRUNE_PENALTY,
+    SENSITIVITY,
+    TrialConfig,
+    WeightTrial,
+    quantile_key,
+)
 
 
 def _weights() -> torch.Tensor:
@@ -29,7 +36,9 @@ def test_trial_error_matches_the_encoded_error(metric: str) -> None:
     )
     decoded = codec.encode(weights).reconstruction
     real = float((fisher * (decoded - weights) ** 2).sum())
-    assert result.error == pytest.approx(real, rel=0.1)
+    unpenalized = result.error - (PRUNE_PENALTY - 1) * result.pruned_error
+    assert unpenalized == pytest.approx(real, rel=0.1)
+    assert result.pruned_error > 0
     assert trial.total == pytest.approx(float((fisher * weights**2).sum()), rel=0.01)
     pruned = float((decoded == 0).float().mean())
     assert 0.17 < pruned < 0.23

@@ -23,10 +23,15 @@ import torch
 from ..codecs.dynaquant import magnitude_thresholds
 from ..codecs.log_sketch import ALPHA, MAGNITUDE_KEYS, SIGNED_KEYS, magnitude_keys, signed_keys
 from ..codecs.nonuniform_quantizer import LINEAR, LevelTable, fit_centroids, key_centres, make_level_table
+from ..codecs.weighted_kmeans import nearest_level
 
 __all__ = ["TrialConfig", "TrialResult", "WeightTrial", "MAGNITUDE", "SENSITIVITY", "quantile_key"]
 
 MAGNITUDE, SENSITIVITY = "magnitude", "sensitivity"
+#: Pruned error counts this many times in the proxy: pruning moves every pruned weight the
+#: same way (towards zero), which the benchmark showed hurts more than random rounding
+#: error of the same size (docs/dynaquant.md).
+PRUNE_PENALTY = 2.0
 # A value is spread uniformly over its bucket (about 2 * ALPHA of it wide): variance (2a)^2/12.
 _SPREAD = (2.0 * ALPHA) ** 2 / 12.0
 _MAGNITUDE_OF_KEY = torch.arange(SIGNED_KEYS) & (MAGNITUDE_KEYS - 1)
@@ -49,8 +54,9 @@ class TrialResult:
     table: LevelTable
     prune_mask: Optional[torch.Tensor]
     protect_mask: Optional[torch.Tensor]
-    error: float
+    error: float  # the proxy's: PRUNE_PENALTY * pruned_error + the rounding error of the rest
     estimated_bits: float
+    pruned_error: float = 0.0  # the squared error of the pruned elements, as it is
 
 
 def quantile_key(counts: torch.Tensor, fraction: float) -> int:
@@ -103,6 +109,7 @@ class WeightTrial:
         if self.sensitivity_keys is not None:
             self.sensitivity_counts = torch.bincount(self.sensitivity_keys, minlength=MAGNITUDE_KEYS).cpu()
         self._cache: dict[tuple, object] = {}
+        self._seeds: dict[int, torch.Tensor] = {}
 
     @property
     def has_sensitivity(self) -> bool:
@@ -179,23 +186,34 @@ class WeightTrial:
                     float(pruned.sum()), float(protected.sum()),
                 )
             counts, mass, pruned_mass, pruned_count, protected_count = self._cache[key]  # type: ignore[misc]
-        error = float((pruned_mass * self._centres**2).sum()) * (1 + _SPREAD)
-        centroids = fit_centroids(counts.clamp_min(0), config.bins, self.sigma, LINEAR, init)
+        pruned_error = float((pruned_mass * self._centres**2).sum()) * (1 + _SPREAD)
+        error = PRUNE_PENALTY * pruned_error
+        counts = counts.clamp_min(0)
+        if init is None:
+            init = self._seeds.get(config.bins)
+        centroids = fit_centroids(counts, config.bins, self.sigma, LINEAR, init)
+        if centroids.numel() == config.bins:
+            self._seeds[config.bins] = centroids  # warm start for this save's other trials
         table = make_level_table(centroids, LINEAR, prune_below, protect_above)
-        ids = table.lookup().long()
-        levels = torch.cat([table.values.double(), torch.zeros(1, dtype=torch.float64)])
-        # Kept buckets only carry mass here; their lookup is the nearest centroid.
-        nearest = torch.where(ids == table.protect_id, 0, ids)
-        squared = (self._centres - levels[nearest]) ** 2 + _SPREAD * self._centres**2
-        error += float((mass.clamp_min(0) * squared).sum())
-        id_counts = torch.zeros(table.count, dtype=torch.float64)
-        id_counts.index_add_(0, nearest, counts.double())
-        id_counts[table.zero_index] += pruned_count
-        id_counts[table.protect_id] += protected_count
+        # Only the kept buckets carry mass here: their nearest centroid is all that matters.
+        occupied = torch.nonzero(counts).reshape(-1)
+        centres = self._centres[occupied]
+        if centroids.numel():
+            chosen = centroids.double()[nearest_level(centres, centroids.double())]
+        else:
+            chosen = torch.zeros_like(centres)
+        squared = (centres - chosen) ** 2 + _SPREAD * centres**2
+        error += float((mass[occupied].clamp_min(0) * squared).sum())
+        id_counts = torch.bincount(
+            nearest_level(centres, centroids.double()) if centroids.numel() else torch.zeros_like(occupied),
+            weights=counts[occupied].double(), minlength=max(centroids.numel(), 1),
+        )
+        id_counts = torch.cat([id_counts, torch.tensor([float(pruned_count), float(protected_count)])])
         probabilities = id_counts[id_counts > 0] / max(float(id_counts.sum()), 1.0)
         entropy = float(-(probabilities * torch.log2(probabilities)).sum()) * self.numel
         result = TrialResult(
-            table, prune_mask, protect_mask, max(error, 0.0), entropy + 16 * protected_count + 32 * table.count
+            table, prune_mask, protect_mask, max(error, 0.0), entropy + 16 * protected_count + 32 * table.count,
+            pruned_error,
         )
         self._cache[cache_key] = result
         return result
