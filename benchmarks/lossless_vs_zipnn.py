@@ -43,7 +43,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 import inshrinkerator as ink
