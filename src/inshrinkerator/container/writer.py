@@ -16,7 +16,7 @@ __all__ = ["ContainerWriter"]
 
 # Encoded sections stay in memory up to this size, then spill to a temporary file,
 # so writing a huge state never holds all of its compressed bytes in RAM.
-SPOOL_IN_MEMORY_BYTES = 64 << 20
+SPOOL_IN_MEMORY_BYTES = 256 << 20
 
 
 class ContainerWriter:
