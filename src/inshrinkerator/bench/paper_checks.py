@@ -218,7 +218,7 @@ def paper_checks(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         *_lc_sgd_vs_adam(rows),
         *_moments(rows, "excp", "moments pruned and quantized (4-bit k-means + zero code)", 6.0),
         *_weights_bits(rows, "cnr", "weights quantized uniformly to about 4 bits", 1.0, 5.0),
-        *_weights_bits(rows, "qd", "entropy-driven bit width below the 8-bit maximum", 0.5, 8.0),
+        *_weights_bits(rows, "qd", "entropy-driven bit width below the 8-bit maximum", 0.0, 8.0),
         *_qd_on_bert(rows),
         *_dynaquant(rows),
         *_lossless(rows),

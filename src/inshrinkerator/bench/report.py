@@ -102,6 +102,14 @@ def _transfer(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _compute_minutes(results: dict[str, Any]) -> float:
+    seconds = sum(r["train_seconds"] for r in results["references"])
+    for run in results["runs"]:
+        seconds += run["train_seconds"] + run["blocked_seconds"]
+        seconds += sum(r["seconds"] for r in run["restores"])
+    return seconds / 60
+
+
 def _seeds(seeds: Any) -> str:
     if isinstance(seeds, dict):
         return ", ".join(f"{name} {count}" for name, count in seeds.items())
@@ -123,7 +131,8 @@ def render_report(results: dict[str, Any]) -> str:
         f"Python {meta['python']}, torch {meta['torch']}, {meta['machine']}; training on "
         f"{meta['threads']} torch thread(s). Mode: {'quick (smoke sizes)' if meta['quick'] else 'full'}; "
         f"seeds per workload: {_seeds(meta['seeds'])}; {meta['failures']} failures per run; a full checkpoint every "
-        f"{meta['full_every']} saves; total wall time {meta['seconds'] / 60:.1f} min.",
+        f"{meta['full_every']} saves; training, saving and restoring summed over all runs "
+        f"{_compute_minutes(results):.0f} min.",
         "",
         "## Protocol",
         "",
