@@ -9,6 +9,10 @@ import pytest
 from inshrinkerator.bench.lossless_rows import LOSSLESS_ROWS, LosslessTotals, measure_state
 from tests.helpers import assert_same, training_state
 
+# zipnn (a lossless reference row) triggers torch's own deprecation of torch.jit.script.
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+
+
 
 @pytest.mark.parametrize("row", LOSSLESS_ROWS, ids=lambda r: r.name)
 def test_row_round_trips_and_counts(row) -> None:

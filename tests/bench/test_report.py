@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from inshrinkerator.bench import run_bench
 from inshrinkerator.bench.paper_checks import paper_checks
 from inshrinkerator.bench.plots import PLOT_FILES
+
+# zipnn (a lossless reference row) triggers torch's own deprecation of torch.jit.script.
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+
 
 
 def test_bench_writes_json_report_and_plots(tiny: str, tmp_path) -> None:
