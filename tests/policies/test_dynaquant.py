@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import inshrinkerator as ink
-from inshrinkerator.codecs import DynaQuantCodec, DynaQuantDeltaCodec
+from inshrinkerator.codecs import DynaQuantCodec, DynaQuantDeltaCodec, FactoredMomentCodec
 from inshrinkerator.policies import DynaQuant, resolve_policy
 from inshrinkerator.tree import flatten, format_key_path
 
@@ -62,7 +62,7 @@ def _by_key(state) -> dict[str, torch.Tensor]:
 def test_knobs_are_checked() -> None:
     for options in (
         {"tolerance": 0}, {"bins": ()}, {"bins": (0,)}, {"prune": (1.5,)}, {"stickiness": -1},
-        {"moment_bins": 0}, {"min_numel": True}, {"evaluate": 3}, {"sigma": 2.0},
+        {"moment_bins": 0}, {"min_numel": True}, {"evaluate": 3}, {"sigma": 2.0}, {"second_moment": "none"},
     ):
         with pytest.raises(ValueError):
             DynaQuant(**options)
@@ -77,7 +77,9 @@ def test_each_tensor_gets_the_codec_of_its_role() -> None:
     codecs = policy.plan(flat.tensors, [None] * len(flat.tensors))
     by_path = {format_key_path(leaf.path): codec for leaf, codec in zip(flat.tensors, codecs)}
     assert isinstance(by_path["model/3.weight"], DynaQuantCodec) and not by_path["model/3.weight"].uses_reference
-    assert by_path["optimizer/state/2/exp_avg_sq"].domain == "log"
+    assert isinstance(by_path["optimizer/state/2/exp_avg_sq"], FactoredMomentCodec)
+    quantized = DynaQuant(second_moment="quantized").plan(flat.tensors, [None] * len(flat.tensors))
+    assert quantized[[format_key_path(leaf.path) for leaf in flat.tensors].index("optimizer/state/2/exp_avg_sq")].domain == "log"
     assert by_path["optimizer/state/2/exp_avg"].bins == policy.moment_bins
     assert by_path["model/0.bias"].lossless  # small tensors stay exact
     assert all(codec.lossless for path, codec in by_path.items() if path.endswith("/step"))
@@ -181,5 +183,5 @@ def test_deltas_use_the_reference() -> None:
     codecs = policy.plan(second.tensors, references)
     by_path = {format_key_path(leaf.path): codec for leaf, codec in zip(second.tensors, codecs)}
     assert isinstance(by_path["model/3.weight"], DynaQuantDeltaCodec)
-    assert isinstance(by_path["optimizer/state/2/exp_avg_sq"], DynaQuantDeltaCodec)
+    assert isinstance(by_path["optimizer/state/2/exp_avg_sq"], FactoredMomentCodec)
     assert not by_path["optimizer/state/2/exp_avg"].uses_reference

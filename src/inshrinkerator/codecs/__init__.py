@@ -13,6 +13,7 @@ from .uniform_quantize import UniformQuantizeCodec
 from .entropy_width_quantize import EntropyWidthQuantizeCodec
 from .cyclic_code_delta import CyclicCodeDeltaCodec
 from .dynaquant import DynaQuantCodec, DynaQuantDeltaCodec
+from .factored_moment import FactoredMomentCodec
 
 __all__ = [
     "Codec",
@@ -37,4 +38,5 @@ __all__ = [
     "CyclicCodeDeltaCodec",
     "DynaQuantCodec",
     "DynaQuantDeltaCodec",
+    "FactoredMomentCodec",
 ]

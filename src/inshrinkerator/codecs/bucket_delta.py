@@ -26,7 +26,8 @@ Stream layout (little-endian; ``varint`` is unsigned LEB128)::
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -72,21 +73,18 @@ class EntropyStats:
     payload_bytes: int = 0
     table_bytes: int = 0
     parts: int = 0
+    # Tensors are encoded on several threads at once.
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, tokens: torch.Tensor, alphabet: int, coded: bytes) -> None:
-        self.symbols += tokens.numel()
-        self.entropy_bits += order0_entropy_bits(tokens, alphabet)
+        bits = order0_entropy_bits(tokens, alphabet)
         table = _SYMBOLS_HEAD.size + _SYMBOLS_HEAD.unpack_from(coded)[2]
-        self.payload_bytes += len(coded) - table
-        self.table_bytes += table
-        self.parts += 1
-
-    def merge(self, other: "EntropyStats") -> None:
-        self.symbols += other.symbols
-        self.entropy_bits += other.entropy_bits
-        self.payload_bytes += other.payload_bytes
-        self.table_bytes += other.table_bytes
-        self.parts += other.parts
+        with self._lock:
+            self.symbols += tokens.numel()
+            self.entropy_bits += bits
+            self.payload_bytes += len(coded) - table
+            self.table_bytes += table
+            self.parts += 1
 
     @property
     def payload_overhead(self) -> float:

@@ -20,8 +20,10 @@ Per checkpoint:
 2. **First moments** (Adam ``exp_avg``, SGD ``momentum_buffer``): ExCP's momentum
    pruning — kept where ``|m| > first_moment_keep * mean(|m|)`` — and ``moment_bins``
    levels for the rest; coded without a reference (they decorrelate between saves).
-3. **Second moments** (``exp_avg_sq``): ``second_moment_bins`` positive levels fitted
-   in the log2 domain (exact zeros stay zero), delta-coded like the weights.
+3. **Second moments** (``exp_avg_sq``): by default the row and column means of each
+   matrix (Adafactor's factored estimate, :class:`~inshrinkerator.codecs.FactoredMomentCodec`),
+   which costs ``rows + cols`` floats; vectors, or ``second_moment="quantized"``, get
+   ``second_moment_bins`` positive levels fitted in the log2 domain, delta-coded.
 4. Everything else — step counters, ``param_groups``, integer tensors, buffers,
    tensors smaller than ``min_numel`` — is stored losslessly.
 """
@@ -39,6 +41,7 @@ from ..codecs import Codec
 from ..codecs._parallel import parallel_map
 from ..codecs.bucket_delta import EntropyStats
 from ..codecs.dynaquant import DynaQuantCodec, DynaQuantDeltaCodec
+from ..codecs.factored_moment import FactoredMomentCodec, factored_shape
 from ..codecs.log_sketch import MAGNITUDE_KEYS, SIGNED_KEYS, signed_keys
 from ..codecs.nonuniform_quantizer import LINEAR, LOG, key_centres
 from ..tree import TensorLeaf, format_key_path
@@ -134,7 +137,9 @@ class DynaQuant(Policy):
         neighbourhood: search radius around the previous best, in cube steps.
         moment_bins: levels of first moments and momentum buffers.
         first_moment_keep: first moments are kept where ``|m| > first_moment_keep * mean|m|``.
-        second_moment_bins: log-domain levels of Adam's second moments.
+        second_moment_bins: log-domain levels of Adam's second moments (``"quantized"``).
+        second_moment: ``"factored"`` (row and column means, Adafactor's estimate, for
+            tensors of 2+ dims; vectors are quantized) or ``"quantized"`` (log-domain levels).
         min_numel: smaller tensors are stored losslessly.
     """
 
@@ -150,6 +155,7 @@ class DynaQuant(Policy):
     moment_bins: int = 8
     first_moment_keep: float = 2.0
     second_moment_bins: int = 16
+    second_moment: str = "factored"
     min_numel: int = 1024
     name: str = "dynaquant"
     _memory: _Memory = field(default_factory=_Memory, init=False, repr=False, compare=False)
@@ -165,6 +171,8 @@ class DynaQuant(Policy):
         _check_number("sigma", self.sigma, 0.0, 1.0)
         _check_number("stickiness", self.stickiness, 0.0, 4.0)
         _check_number("first_moment_keep", self.first_moment_keep, 0.0, 1e6)
+        if self.second_moment not in ("factored", "quantized"):
+            raise ValueError(f"second_moment must be 'factored' or 'quantized', got {self.second_moment!r}")
         for knob in ("neighbourhood", "moment_bins", "second_moment_bins", "min_numel"):
             value = getattr(self, knob)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -346,6 +354,9 @@ class DynaQuant(Policy):
                 continue
             tensor = leaves[index].tensor.detach()
             key = format_key_path(leaves[index].path)
+            if role is TensorRole.SECOND_MOMENT and self._factored(tensor):
+                codecs[index] = FactoredMomentCodec()
+                continue
             keys = signed_keys(tensor)
             counts = torch.bincount(keys, minlength=SIGNED_KEYS).cpu()
             if role in _FIRST_ORDER:
@@ -367,6 +378,14 @@ class DynaQuant(Policy):
             )
             codecs[index] = codec
             self._memory.pending[key] = codec
+
+    def _factored(self, tensor: torch.Tensor) -> bool:
+        return (
+            self.second_moment == "factored"
+            and factored_shape(tuple(tensor.shape)) is not None
+            and bool(torch.isfinite(tensor).all())
+            and float(tensor.min()) >= 0
+        )
 
     def _first_moment_cut(self, counts: torch.Tensor) -> int:
         """Magnitude key of ``first_moment_keep * mean|m|``, the mean read from the sketch."""
