@@ -186,6 +186,8 @@ def test_parameters_small_and_input_tensors_are_kept() -> None:
         assert comp.pack(small) is small
         data = torch.randn(64, 256)  # a batch the caller holds
         assert comp.pack(data) is data
+        leaf = torch.randn(64, 256, requires_grad=True)  # a leaf the caller holds
+        assert comp.pack(leaf) is leaf
         hidden = torch.randn(64, 256, requires_grad=True) * 1
         packed = comp.pack(hidden)
         assert isinstance(packed, PackedActivation)

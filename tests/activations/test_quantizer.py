@@ -47,11 +47,18 @@ def test_shapes_and_layouts() -> None:
     x = torch.relu(torch.randn(32, 16, 8, 8))
     packed = quantize(x, 0.05)
     assert packed.positive  # non-negative with exact zeros: the mask-exact layout
-    assert packed.sparse_mask is not None  # half zeros: mask + non-zero codes is smaller
+    assert all(chunk.sparse_mask is not None for chunk in packed.chunks)  # half zeros: mask wins
     assert not quantize(torch.randn(100), 0.05).positive
     assert not quantize(torch.rand(100) + 0.5, 0.05).positive  # no zeros: mid-tread is smaller
     assert packed.decode().shape == x.shape
     assert packed.nbytes * 4 < x.numel() * 4
+
+
+def test_large_tensors_are_coded_in_chunks() -> None:
+    x = torch.randn(3 * (1 << 20) + 5)
+    packed = quantize(x, 0.01)
+    assert [chunk.count for chunk in packed.chunks] == [1 << 20] * 3 + [5]
+    assert float((packed.decode() - x).abs().max()) <= 0.01
 
 
 def test_error_is_centred_and_uniform() -> None:

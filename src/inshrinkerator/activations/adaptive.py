@@ -172,7 +172,7 @@ class AdaptiveErrorBound:
         def hook(grad: torch.Tensor) -> None:
             if self.measuring:
                 stats = self._stats(name)
-                value = float(grad.detach().double().square().mean())
+                value = float(torch.linalg.vector_norm(grad.detach().float()) ** 2) / max(1, grad.numel())
                 stats.grad_square = _smooth(stats.grad_square, value, self.smoothing)
         return hook
 
@@ -185,7 +185,9 @@ class AdaptiveErrorBound:
                 return
             saved = args[0].detach()
             stats = self._stats(name)
-            zeros = float((saved == 0).double().mean()) if saved.numel() else 0.0
+            # counts and float32 reductions only: float64 copies of a large activation would
+            # cost more memory than the compression saves
+            zeros = 1.0 - int(torch.count_nonzero(saved)) / max(1, saved.numel())
             stats.zero_fraction = _smooth(stats.zero_fraction, zeros, self.smoothing)
             weights = _inverse_variance(module, kind, saved)
             rows = module.weight.shape[0] if kind in ("linear", "conv") else module.weight.numel()
@@ -195,7 +197,7 @@ class AdaptiveErrorBound:
     def _output_grad_hook(self, name: str, weights: Optional[torch.Tensor],
                           rows: int) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
-            value = _row_norm_square(grad.detach().double(), weights, rows)
+            value = _row_norm_square(grad.detach(), weights, rows)
             stats = self._stats(name)
             stats.row_norm_square = _smooth(stats.row_norm_square, value, self.smoothing)
         return hook
@@ -203,16 +205,14 @@ class AdaptiveErrorBound:
 
 def _inverse_variance(module: nn.Module, kind: str, saved: torch.Tensor) -> Optional[torch.Tensor]:
     """1 / sigma^2 of the normalization each element of a norm layer's input went through."""
-    data = saved.double()
     if kind == "batchnorm":
-        dims = [d for d in range(data.dim()) if d != 1]
-        variance = data.var(dim=dims, unbiased=False, keepdim=True)
-        return 1.0 / (variance + module.eps)
-    if kind == "layernorm":
-        dims = list(range(data.dim() - len(module.normalized_shape), data.dim()))
-        variance = data.var(dim=dims, unbiased=False, keepdim=True)
-        return 1.0 / (variance + module.eps)
-    return None
+        dims = [d for d in range(saved.dim()) if d != 1]
+    elif kind == "layernorm":
+        dims = list(range(saved.dim() - len(module.normalized_shape), saved.dim()))
+    else:
+        return None
+    variance = saved.float().var(dim=dims, unbiased=False, keepdim=True)
+    return 1.0 / (variance + module.eps)
 
 
 def _row_norm_square(grad: torch.Tensor, weights: Optional[torch.Tensor], rows: int) -> float:
@@ -221,7 +221,7 @@ def _row_norm_square(grad: torch.Tensor, weights: Optional[torch.Tensor], rows: 
     A linear layer has a row per output feature, a convolution one per output channel, a
     norm layer one per affine element; every element of G belongs to exactly one row.
     """
-    squares = grad.square()
+    squares = grad.float().square()
     if weights is not None:
-        squares = squares * weights
-    return float(squares.sum()) / rows
+        squares.mul_(weights)
+    return float(squares.sum(dtype=torch.float64)) / rows

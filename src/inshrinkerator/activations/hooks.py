@@ -7,8 +7,8 @@ tensor:
   integer tensors (max-pool indices) and non-floating dtypes: kept as they are;
 - a tensor whose values are only 0 and one constant (a dropout mask, a bool mask):
   one bit per value;
-- model inputs (no autograd history, no grad): kept, since the caller holds them anyway and
-  a compressed copy would only add memory;
+- model inputs and other leaves (no autograd history): kept, since the caller holds them
+  anyway and a compressed copy would only add memory;
 - any other floating tensor: compressed within an absolute error bound chosen by
   :class:`~.adaptive.AdaptiveErrorBound`, with the codec chosen by :class:`~.codec_choice.CodecChooser`.
 
@@ -194,8 +194,8 @@ class ActivationCompressor:
             if packed is None:
                 return None, slot
             return self._record(slot, PackedActivation(packed, nbytes), "int-delta", 0.0, 0.0), slot
-        if tensor.grad_fn is None and not tensor.requires_grad:
-            return None, slot  # an input the caller still holds: a compressed copy would add memory
+        if tensor.grad_fn is None:
+            return None, slot  # an input (or leaf) the caller still holds: a copy would add memory
         low, high = torch.aminmax(tensor.detach().reshape(-1))
         value_range = float(high) - float(low)
         if not value_range > 0:

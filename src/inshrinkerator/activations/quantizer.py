@@ -14,8 +14,9 @@ Two bin layouts:
 
 The bins are narrowed by the worst float rounding of the reconstruction, so the bound
 holds for the decoded values in the tensor's own dtype (see :func:`quantize`). The integer
-codes are bit-packed per group of 64 (``bitpack.py``); a tensor with many zero codes is
-stored as a zero mask plus the packed non-zero codes.
+codes are bit-packed per group of 64 (``bitpack.py``), a chunk of 2**20 values at a time so
+the integer temporaries stay small; a chunk with many zero codes is stored as a zero mask
+plus the packed non-zero codes.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 
 from .bitpack import PackedCodes, pack_codes, pack_mask, packed_size, unpack_codes, unpack_mask
 
-__all__ = ["QuantizedActivation", "quantize", "working_dtype"]
+__all__ = ["QuantizedActivation", "QuantizedChunk", "quantize", "working_dtype"]
 
 _MAX_CODE = (1 << 31) - 1  # bins beyond this would not fit the 32-bit packing
 
@@ -46,9 +47,25 @@ def _bound_in(dtype: torch.dtype, error_bound: float) -> float:
     return float(value)
 
 
+_CHUNK = 1 << 20  # values coded at a time: bounds the integer temporaries to a few MB
+
+
+@dataclass
+class QuantizedChunk:
+    """Up to ``_CHUNK`` consecutive values: packed codes, and a zero mask if stored sparsely."""
+
+    count: int
+    sparse_mask: Optional[torch.Tensor]  # packed bits of (code != 0)
+    codes: PackedCodes
+
+    @property
+    def nbytes(self) -> int:
+        return (0 if self.sparse_mask is None else self.sparse_mask.numel()) + self.codes.nbytes
+
+
 @dataclass
 class QuantizedActivation:
-    """A quantized activation: step, layout flags and the packed codes; decodes anywhere."""
+    """A quantized activation: step, layout flags and the packed chunks; decodes anywhere."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
@@ -56,26 +73,28 @@ class QuantizedActivation:
     step: float
     positive: bool  # the positive layout (zero bin + positive bins), else mid-tread
     signed: bool  # codes can be negative (zigzag-packed)
-    sparse_mask: Optional[torch.Tensor]  # packed bits of (x != 0), when stored sparsely
-    codes: PackedCodes
+    chunks: list[QuantizedChunk]
 
     @property
     def nbytes(self) -> int:
-        mask = 0 if self.sparse_mask is None else self.sparse_mask.numel()
-        return mask + self.codes.nbytes + 32
+        return sum(chunk.nbytes for chunk in self.chunks) + 32
 
     def decode(self) -> torch.Tensor:
         """The reconstruction, in the original dtype, shape and device."""
         work = working_dtype(self.dtype)
-        numel = math.prod(self.shape)
-        unsigned = unpack_codes(self.codes)
-        if self.sparse_mask is not None:
-            nonzero = unpack_mask(self.sparse_mask, numel)
-            codes = torch.zeros(numel, dtype=torch.int64, device=unsigned.device)
-            codes.masked_scatter_(nonzero, _from_nonzero_unsigned(unsigned, self.signed))
-        else:
-            codes = _from_unsigned(unsigned, self.signed)
-        return _reconstruct(codes, self.step, self.positive, work).to(self.dtype).view(self.shape)
+        out = torch.empty(math.prod(self.shape), dtype=self.dtype, device=self.device)
+        offset = 0
+        for chunk in self.chunks:
+            unsigned = unpack_codes(chunk.codes)
+            if chunk.sparse_mask is not None:
+                nonzero = unpack_mask(chunk.sparse_mask, chunk.count)
+                codes = torch.zeros(chunk.count, dtype=torch.int64, device=unsigned.device)
+                codes.masked_scatter_(nonzero, _from_nonzero_unsigned(unsigned, self.signed))
+            else:
+                codes = _from_unsigned(unsigned, self.signed)
+            out[offset:offset + chunk.count] = _reconstruct(codes, self.step, self.positive, work)
+            offset += chunk.count
+        return out.view(self.shape)
 
 
 def _reconstruct(codes: torch.Tensor, step: float, positive: bool, work: torch.dtype) -> torch.Tensor:
@@ -147,16 +166,28 @@ def quantize(tensor: torch.Tensor, error_bound: float) -> Optional[QuantizedActi
     code_dtype = torch.int32 if peak / step < (1 << 29) else torch.int64
     nonnegative = low_value >= 0
     positive = nonnegative and int(torch.count_nonzero(flat)) < flat.numel()
+    signed = low_value < 0
+    chunks = []
+    for start in range(0, flat.numel(), _CHUNK):
+        chunk = _quantize_chunk(flat[start:start + _CHUNK], step, bound, positive, signed, code_dtype,
+                                tensor.dtype, verify=slack >= bound / 2)
+        if chunk is None:
+            return None
+        chunks.append(chunk)
+    return QuantizedActivation(tuple(tensor.shape), tensor.dtype, tensor.device, step, positive, signed, chunks)
+
+
+def _quantize_chunk(flat: torch.Tensor, step: float, bound: float, positive: bool, signed: bool,
+                    code_dtype: torch.dtype, dtype: torch.dtype, verify: bool) -> Optional[QuantizedChunk]:
     if positive:
         # sign() is 0 for the zeros, so they land in bin 0; positives land in bins >= 1
         codes = (flat / step).floor_().add_(1).mul_(torch.sign(flat)).to(code_dtype)
     else:
         codes = torch.round(flat / step).to(code_dtype)
-    if slack >= bound / 2:
-        recon = _reconstruct(codes, step, positive, work).to(tensor.dtype).to(work)
+    if verify:
+        recon = _reconstruct(codes, step, positive, flat.dtype).to(dtype).to(flat.dtype)
         if bool(((flat - recon).abs() > bound).any()):
             return None
-    signed = low_value < 0
     zero_fraction = 1.0 - int(torch.count_nonzero(codes)) / codes.numel()
     mask: Optional[torch.Tensor] = None
     unsigned = _to_unsigned(codes, signed)
@@ -165,6 +196,4 @@ def quantize(tensor: torch.Tensor, error_bound: float) -> Optional[QuantizedActi
         sparse = _to_nonzero_unsigned(torch.masked_select(codes, nonzero), signed)
         if (codes.numel() + 7) // 8 + packed_size(sparse) < packed_size(unsigned):
             mask, unsigned = pack_mask(nonzero), sparse
-    packed = pack_codes(unsigned)
-    return QuantizedActivation(tuple(tensor.shape), tensor.dtype, tensor.device, step, positive, signed, mask,
-                               packed)
+    return QuantizedChunk(codes.numel(), mask, pack_codes(unsigned))
