@@ -35,13 +35,13 @@ def test_trial_error_matches_the_encoded_error(metric: str) -> None:
         prune_mask=result.prune_mask, protect_mask=result.protect_mask,
     )
     decoded = codec.encode(weights).reconstruction
-    real = float((fisher * (decoded - weights) ** 2).sum())
-    unpenalized = result.error - (PRUNE_PENALTY - 1) * result.pruned_error
-    assert unpenalized == pytest.approx(real, rel=0.1)
-    assert result.pruned_error > 0
+    pruned = decoded == 0
+    real_pruned = float(fisher.mean() * (weights[pruned] ** 2).sum())
+    real_rounding = float((fisher[~pruned] * (decoded[~pruned] - weights[~pruned]) ** 2).sum())
+    assert result.pruned_error == pytest.approx(real_pruned, rel=0.1)
+    assert result.error == pytest.approx(PRUNE_PENALTY * real_pruned + real_rounding, rel=0.1)
     assert trial.total == pytest.approx(float((fisher * weights**2).sum()), rel=0.01)
-    pruned = float((decoded == 0).float().mean())
-    assert 0.17 < pruned < 0.23
+    assert 0.17 < float(pruned.float().mean()) < 0.23
 
 
 def test_more_bins_and_less_pruning_mean_less_error_and_more_bits() -> None:

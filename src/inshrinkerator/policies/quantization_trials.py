@@ -30,7 +30,8 @@ __all__ = ["TrialConfig", "TrialResult", "WeightTrial", "MAGNITUDE", "SENSITIVIT
 MAGNITUDE, SENSITIVITY = "magnitude", "sensitivity"
 #: Pruned error counts this many times in the proxy: pruning moves every pruned weight the
 #: same way (towards zero), which the benchmark showed hurts more than random rounding
-#: error of the same size (docs/dynaquant.md).
+#: error of the same size (docs/dynaquant.md). Pruned elements are also weighted by the
+#: tensor's mean proxy weight rather than their own.
 PRUNE_PENALTY = 2.0
 # A value is spread uniformly over its bucket (about 2 * ALPHA of it wide): variance (2a)^2/12.
 _SPREAD = (2.0 * ALPHA) ** 2 / 12.0
@@ -56,7 +57,7 @@ class TrialResult:
     protect_mask: Optional[torch.Tensor]
     error: float  # the proxy's: PRUNE_PENALTY * pruned_error + the rounding error of the rest
     estimated_bits: float
-    pruned_error: float = 0.0  # the squared error of the pruned elements, as it is
+    pruned_error: float = 0.0  # sum of w^2 over pruned elements, times the mean proxy weight
 
 
 def quantile_key(counts: torch.Tensor, fraction: float) -> int:
@@ -99,8 +100,10 @@ class WeightTrial:
         if proxy_weights is not None:
             self.weights = proxy_weights.detach().reshape(-1).float()
             self.mass = torch.bincount(self.keys, weights=self.weights, minlength=SIGNED_KEYS).double().cpu()
+            self.mean_weight = float(self.mass.sum()) / max(self.numel, 1)
         else:
             self.mass = self.counts.double()
+            self.mean_weight = 1.0
         self._centres = key_centres()
         self.total = float((self.mass * self._centres**2).sum()) * (1 + _SPREAD)
         self.magnitude_counts = self.counts[:MAGNITUDE_KEYS] + self.counts[MAGNITUDE_KEYS:]
@@ -167,7 +170,7 @@ class WeightTrial:
             counts = torch.where(removed, 0, self.counts)
             mass = torch.where(removed, 0.0, self.mass)
             pruned_buckets &= ~protected_buckets
-            pruned_mass = torch.where(pruned_buckets, self.mass, 0.0)
+            pruned_counts = torch.where(pruned_buckets, self.counts, 0)
             pruned_count = float(torch.where(pruned_buckets, self.counts, 0).sum())
             protected_count = float(torch.where(protected_buckets, self.counts, 0).sum())
         else:
@@ -182,11 +185,14 @@ class WeightTrial:
                     pruned |= prune_mask & ~protected
                 kept_counts, kept_mass = self._histogram_of(~(protected | pruned))
                 self._cache[key] = (
-                    kept_counts, kept_mass, self._histogram_of(pruned)[1],
+                    kept_counts, kept_mass, self._histogram_of(pruned)[0],
                     float(pruned.sum()), float(protected.sum()),
                 )
-            counts, mass, pruned_mass, pruned_count, protected_count = self._cache[key]  # type: ignore[misc]
-        pruned_error = float((pruned_mass * self._centres**2).sum()) * (1 + _SPREAD)
+            counts, mass, pruned_counts, pruned_count, protected_count = self._cache[key]  # type: ignore[misc]
+        # Pruned elements are weighted by the tensor's mean proxy weight, not their own: a
+        # weight whose gradient is small now (a tiny Fisher estimate) need not stay
+        # unimportant, and zeroing many of them at once moves the model coherently.
+        pruned_error = self.mean_weight * float((pruned_counts.double() * self._centres**2).sum()) * (1 + _SPREAD)
         error = PRUNE_PENALTY * pruned_error
         counts = counts.clamp_min(0)
         if init is None:
