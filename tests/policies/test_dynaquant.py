@@ -185,3 +185,18 @@ def test_deltas_use_the_reference() -> None:
     assert isinstance(by_path["model/3.weight"], DynaQuantDeltaCodec)
     assert isinstance(by_path["optimizer/state/2/exp_avg_sq"], FactoredMomentCodec)
     assert not by_path["optimizer/state/2/exp_avg"].uses_reference
+
+
+def test_first_moments_keep_the_steadiest_entries(tmp_path) -> None:
+    _, (state,) = _states(1)
+    ink.save(state, tmp_path / "m.ink", policy=DynaQuant(first_moment_keep=0.1))
+    loaded = ink.load(tmp_path / "m.ink")["optimizer"]["state"][2]
+    m, v = state["optimizer"]["state"][2]["exp_avg"], state["optimizer"]["state"][2]["exp_avg_sq"]
+    kept = loaded["exp_avg"] != 0
+    assert 0.07 < float(kept.float().mean()) < 0.13
+    score = m.abs() / (v.sqrt() + 1e-8)
+    assert float(score[kept].min()) >= 0.95 * float(score[~kept].max())
+    sgd = _states(1, optimizer="sgd")[1][0]
+    ink.save(sgd, tmp_path / "s.ink", policy=DynaQuant(momentum_keep=0.3))
+    buffer = ink.load(tmp_path / "s.ink")["optimizer"]["state"][2]["momentum_buffer"]
+    assert 0.25 < float((buffer != 0).float().mean()) < 0.35

@@ -17,9 +17,12 @@ Per checkpoint:
    layer type. Weights are stored by :class:`~inshrinkerator.codecs.DynaQuantDeltaCodec`
    against the previous reconstruction (:class:`~inshrinkerator.codecs.DynaQuantCodec`
    in a full checkpoint).
-2. **First moments** (Adam ``exp_avg``, SGD ``momentum_buffer``): ExCP's momentum
-   pruning — kept where ``|m| > first_moment_keep * mean(|m|)`` — and ``moment_bins``
-   levels for the rest; coded without a reference (they decorrelate between saves).
+2. **First moments**: ExCP's idea of pruning the momentum jointly with the state it
+   serves — Adam's ``exp_avg`` keeps the ``first_moment_keep`` fraction with the largest
+   ``|m| / sqrt(v)`` (the entries that take large, steady steps), an SGD
+   ``momentum_buffer`` the ``momentum_keep`` fraction largest in magnitude — with
+   ``moment_bins`` levels for what is kept; coded without a reference (moments
+   decorrelate between saves).
 3. **Second moments** (``exp_avg_sq``): by default the row and column means of each
    matrix (Adafactor's factored estimate, :class:`~inshrinkerator.codecs.FactoredMomentCodec`),
    which costs ``rows + cols`` floats; vectors, or ``second_moment="quantized"``, get
@@ -42,14 +45,15 @@ from ..codecs._parallel import parallel_map
 from ..codecs.bucket_delta import EntropyStats
 from ..codecs.dynaquant import DynaQuantCodec, DynaQuantDeltaCodec
 from ..codecs.factored_moment import FactoredMomentCodec, factored_shape
-from ..codecs.log_sketch import MAGNITUDE_KEYS, SIGNED_KEYS, signed_keys
-from ..codecs.nonuniform_quantizer import LINEAR, LOG, key_centres
+from ..codecs.dynaquant import magnitude_thresholds
+from ..codecs.log_sketch import MAGNITUDE_KEYS, SIGNED_KEYS, magnitude_keys, signed_keys
+from ..codecs.nonuniform_quantizer import LOG, fit_centroids
 from ..tree import TensorLeaf, format_key_path
 from .base import Policy
 from .dynaquant_search import ConfigurationCube, Point
 from .gradient_watch import GradientWatch
 from .lossless import Lossless
-from .quantization_trials import WeightTrial
+from .quantization_trials import WeightTrial, quantile_key
 from .state_layout import StateLayout, TensorRole, layout_of
 
 __all__ = ["DynaQuant", "PROXY_SCALE", "SearchRecord"]
@@ -114,11 +118,6 @@ def _usable_reference(tensor: torch.Tensor, reference: Optional[torch.Tensor]) -
     return reference
 
 
-def _key_of(value: float) -> int:
-    """The magnitude key of a non-negative float."""
-    return int(signed_keys(torch.tensor([value], dtype=torch.float32))[0]) & (MAGNITUDE_KEYS - 1)
-
-
 @dataclass(frozen=True)
 class DynaQuant(Policy):
     """Dynamic non-uniform quantization with a quality-controlled search (the default policy).
@@ -136,7 +135,8 @@ class DynaQuant(Policy):
             id changes in a delta; more means smaller deltas and a little more error.
         neighbourhood: search radius around the previous best, in cube steps.
         moment_bins: levels of first moments and momentum buffers.
-        first_moment_keep: first moments are kept where ``|m| > first_moment_keep * mean|m|``.
+        first_moment_keep: fraction of Adam's first moment kept (largest ``|m| / sqrt(v)``).
+        momentum_keep: fraction of an SGD momentum buffer kept (largest magnitude).
         second_moment_bins: log-domain levels of Adam's second moments (``"quantized"``).
         second_moment: ``"factored"`` (row and column means, Adafactor's estimate, for
             tensors of 2+ dims; vectors are quantized) or ``"quantized"`` (log-domain levels).
@@ -153,7 +153,8 @@ class DynaQuant(Policy):
     stickiness: float = 0.5
     neighbourhood: int = 1
     moment_bins: int = 8
-    first_moment_keep: float = 2.0
+    first_moment_keep: float = 0.05
+    momentum_keep: float = 0.2
     second_moment_bins: int = 16
     second_moment: str = "factored"
     min_numel: int = 1024
@@ -170,7 +171,8 @@ class DynaQuant(Policy):
         _check_grid("protect", self.protect, float, 0.0, 0.5)
         _check_number("sigma", self.sigma, 0.0, 1.0)
         _check_number("stickiness", self.stickiness, 0.0, 4.0)
-        _check_number("first_moment_keep", self.first_moment_keep, 0.0, 1e6)
+        _check_number("first_moment_keep", self.first_moment_keep, 0.0, 1.0)
+        _check_number("momentum_keep", self.momentum_keep, 0.0, 1.0)
         if self.second_moment not in ("factored", "quantized"):
             raise ValueError(f"second_moment must be 'factored' or 'quantized', got {self.second_moment!r}")
         for knob in ("neighbourhood", "moment_bins", "second_moment_bins", "min_numel"):
@@ -361,7 +363,9 @@ class DynaQuant(Policy):
             counts = torch.bincount(keys, minlength=SIGNED_KEYS).cpu()
             if role in _FIRST_ORDER:
                 codec: DynaQuantCodec = DynaQuantCodec(bins=self.moment_bins, prune=0.0, protect=0.0, sigma=self.sigma)
-                extra: dict[str, Any] = {"prune_below": self._first_moment_cut(counts)}
+                second = layout.entry_moments(index).get(TensorRole.SECOND_MOMENT)
+                partner = leaves[second].tensor if second is not None else None
+                extra: dict[str, Any] = self._first_moment_hints(tensor, keys, counts, role, partner)
                 bins = self.moment_bins
             else:
                 reference = _usable_reference(tensor, references[index])
@@ -387,16 +391,32 @@ class DynaQuant(Policy):
             and float(tensor.min()) >= 0
         )
 
-    def _first_moment_cut(self, counts: torch.Tensor) -> int:
-        """Magnitude key of ``first_moment_keep * mean|m|``, the mean read from the sketch."""
-        centres = key_centres().abs()
-        finite = (torch.arange(SIGNED_KEYS) & (MAGNITUDE_KEYS - 1)) < (255 << 6)
-        total = float(counts[finite].sum())
-        if total == 0:
-            return 1
-        mean = float((counts[finite].double() * centres[finite]).sum()) / total
-        # Keep |m| > cut: prune the keys up to and including the cut's own bucket.
-        return max(_key_of(self.first_moment_keep * mean) + 1, 1) if self.first_moment_keep > 0 else 1
+    def _first_moment_hints(
+        self,
+        moment: torch.Tensor,
+        keys: torch.Tensor,
+        counts: torch.Tensor,
+        role: TensorRole,
+        second: Optional[torch.Tensor],
+    ) -> dict[str, Any]:
+        """Which first-moment entries to keep (the rest are stored as 0).
+
+        Adam's ``exp_avg`` keeps the ``first_moment_keep`` fraction with the largest
+        ``|m| / sqrt(v)`` (the entries whose steps are large and steady; the others move
+        little either way); an SGD momentum buffer, which is the step itself, keeps the
+        ``momentum_keep`` fraction largest in magnitude.
+        """
+        if role is TensorRole.MOMENTUM_BUFFER or second is None or second.shape != moment.shape:
+            keep = self.momentum_keep if role is TensorRole.MOMENTUM_BUFFER else self.first_moment_keep
+            prune_below, _ = magnitude_thresholds(counts, 1.0 - keep, 0.0)
+            return {"prune_below": prune_below}
+        score = (moment.abs().float() / (second.detach().float().sqrt() + 1e-8)).reshape(-1)
+        score_keys = magnitude_keys(score)
+        cut = quantile_key(torch.bincount(score_keys, minlength=MAGNITUDE_KEYS), 1.0 - self.first_moment_keep)
+        prune_mask = (score_keys < cut) | ~torch.isfinite(score)
+        kept = torch.bincount(keys[~prune_mask], minlength=SIGNED_KEYS).cpu()
+        centroids = fit_centroids(kept, self.moment_bins, self.sigma)
+        return {"prune_mask": prune_mask, "centroids": centroids}
 
 
 def _reference_for(codec: Codec, leaf: TensorLeaf, reference: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
