@@ -99,9 +99,12 @@ def _write_whole(destination: str, produce: Callable[[IO[bytes]], T]) -> T:
         # Closing would complete the upload with partial content: abort it instead.
         discard = getattr(handle, "discard", None)
         if callable(discard) and not handle.closed:
-            discard()
+            try:
+                discard()
+            except Exception:  # noqa: BLE001 - the store may be unreachable: report the write's error
+                pass
         try:
-            handle.closed = True
+            handle.closed = True  # discarded: closing (even by the finalizer) must not upload
         except AttributeError:
             pass
         _remove_quietly(fs, temporary)

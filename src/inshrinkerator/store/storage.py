@@ -191,18 +191,24 @@ class FsspecRunStorage(RunStorage):
         handle = self.fs.open(self._path(name), "wb")
         try:
             result = produce(handle)
+            handle.close()  # completes the upload; if that fails, it is aborted below too
         except BaseException:
             # Closing would complete the upload with partial content: abort instead.
             discard = getattr(handle, "discard", None)
             if callable(discard):
-                discard()
+                try:
+                    discard()
+                except Exception:  # noqa: BLE001 - the store may be unreachable: report the write's error
+                    pass
             try:
                 handle.closed = True  # discarded: closing (even by the finalizer) must not upload
             except AttributeError:
                 pass
-            self.remove(name)
+            try:
+                self.remove(name)
+            except Exception:  # noqa: BLE001 - an unreferenced leftover; the next writer removes it
+                pass
             raise
-        handle.close()
         return result
 
     def write_bytes(self, name: str, data: bytes) -> None:
