@@ -7,11 +7,11 @@ Per checkpoint:
    fraction, prune metric (magnitude ``|w|`` or sensitivity ``|g w|``) and protect
    fraction: the most compressive point whose quality stays within ``tolerance``.
    Quality is the user's ``evaluate(model_state_dict)`` (lower is better; relative
-   change at most ``tolerance``) when given, else a proxy: the Fisher-weighted relative
-   reconstruction error ``sum(F (w_hat - w)^2) / sum(F w^2)``, ``F`` being the paired
-   Adam second moment (or the squared gradient average of a watched model, or 1),
-   which must stay below ``tolerance * PROXY_SCALE`` (calibrated on the benchmark
-   workloads: docs/dynaquant.md). The first checkpoint runs a guided search of the
+   change at most ``tolerance``) when given, else a proxy: every weight tensor's
+   Fisher-weighted relative reconstruction error ``sum(F (w_hat - w)^2) / sum(F w^2)``,
+   ``F`` being the paired Adam second moment (or the squared gradient average of a
+   watched model, or 1), must stay below ``tolerance * PROXY_SCALE`` (calibrated on
+   the benchmark workloads: docs/dynaquant.md). The first checkpoint runs a guided search of the
    whole cube; later ones search around the previous best and fall back to an
    exhaustive search when nothing near it is feasible. Prune thresholds are shared per
    layer type. Weights are stored by :class:`~inshrinkerator.codecs.DynaQuantDeltaCodec`
@@ -438,11 +438,12 @@ class _WeightPlan:
         """The quality measure of the weights as stored (the proxy, or ``evaluate``)."""
         if self.evaluate is not None:
             return self.cube.relative_loss({i: encoded[i].reconstruction for i in self.indices})
-        error = 0.0
+        worst = 0.0
         for index in self.indices:
             trial = self.trials[index]
             difference = (encoded[index].reconstruction.reshape(-1).float() - trial.flat.float()) ** 2
             if trial.weights is not None:
                 difference = difference * trial.weights
-            error += float(difference[torch.isfinite(difference)].sum())
-        return error / self.cube.total_mass
+            error = float(difference[torch.isfinite(difference)].sum())
+            worst = max(worst, error / max(trial.total, 1e-300))
+        return worst

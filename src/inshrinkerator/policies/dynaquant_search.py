@@ -211,8 +211,10 @@ class ConfigurationCube:
 
     Axes (least to most aggressive): bins, embedding bins, prune fraction, protect
     fraction; the prune metric (magnitude / sensitivity) is searched as two cubes.
-    Quality is the proxy (Fisher-weighted relative squared error) or, when
-    ``evaluate`` is given, the relative change of ``evaluate(model_state_dict)``.
+    Quality is the proxy — the largest Fisher-weighted relative squared error of any
+    tensor (a global ratio would let large, well-conditioned tensors hide the damage done
+    to small ones) — or, when ``evaluate`` is given, the relative change of
+    ``evaluate(model_state_dict)``.
 
     Args:
         trials: leaf index -> its :class:`WeightTrial`.
@@ -296,12 +298,15 @@ class ConfigurationCube:
 
     # -- quality and feasibility
     def quality(self, point: Point, metric: str) -> float:
-        """Proxy: Fisher-weighted relative squared error; with ``evaluate``: relative quality loss."""
+        """Proxy: the largest Fisher-weighted relative squared error of any tensor; with
+        ``evaluate``: the relative quality loss."""
         key = (point, metric)
         if key not in self._quality:
             if self.evaluate is None:
-                error = sum(self.result(i, point, metric).error for i in self.trials)
-                self._quality[key] = error / self.total_mass
+                self._quality[key] = max(
+                    self.result(i, point, metric).error / max(trial.total, 1e-300)
+                    for i, trial in self.trials.items()
+                )
             else:
                 self._quality[key] = self._evaluated_loss(point, metric)
         return self._quality[key]
