@@ -139,6 +139,16 @@ def test_composes_with_torch_checkpoint(reentrant: bool) -> None:
     assert max(_relative_errors(exact, lossy)) < 0.1
 
 
+def test_inplace_change_of_a_kept_tensor_still_raises() -> None:
+    a = torch.randn(16, requires_grad=True)
+    with ink.compress_activations(nn.Identity()):  # 64 B: below min_bytes, kept as it is
+        h = a * 2
+        product = h * h
+        h.add_(1.0)
+        with pytest.raises(RuntimeError, match="modified by an in-place operation"):
+            product.sum().backward()
+
+
 def test_unpack_twice_works() -> None:
     x = torch.randn(256, 256, requires_grad=True)
     with ink.compress_activations(nn.Identity(), error_bound=0.01, adaptive=False, min_bytes=0):
@@ -180,14 +190,19 @@ def test_parameters_small_and_input_tensors_are_kept() -> None:
     model = nn.Linear(256, 256)
     comp = ActivationCompressor(model, min_bytes=1024)
     with comp:
-        assert comp.pack(model.weight) is model.weight
-        assert comp.pack(model.weight.t()).data_ptr() == model.weight.data_ptr()
+        def kept(tensor: torch.Tensor) -> torch.Tensor:
+            packed = comp.pack(tensor)
+            assert not isinstance(packed, PackedActivation)
+            return comp.unpack(packed)
+
+        assert kept(model.weight) is model.weight
+        assert kept(model.weight.t()).data_ptr() == model.weight.data_ptr()
         small = torch.randn(8, requires_grad=True) * 1
-        assert comp.pack(small) is small
+        assert kept(small) is small
         data = torch.randn(64, 256)  # a batch the caller holds
-        assert comp.pack(data) is data
+        assert kept(data) is data
         leaf = torch.randn(64, 256, requires_grad=True)  # a leaf the caller holds
-        assert comp.pack(leaf) is leaf
+        assert kept(leaf) is leaf
         hidden = torch.randn(64, 256, requires_grad=True) * 1
         packed = comp.pack(hidden)
         assert isinstance(packed, PackedActivation)

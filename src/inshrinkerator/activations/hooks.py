@@ -65,6 +65,29 @@ class ActivationStatistics:
         return self.compressed_input_bytes / max(1, self.compressed_stored_bytes)
 
 
+class _KeptTensor:
+    """A saved tensor kept as it is, with its version counter at save time.
+
+    With saved-tensor hooks autograd no longer checks whether a saved tensor was modified in
+    place before backward; this restores that check for the tensors not compressed.
+    """
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.version = tensor._version
+
+    def unpack(self) -> torch.Tensor:
+        if self.tensor._version != self.version:
+            raise RuntimeError(
+                f"a tensor saved for backward (shape {list(self.tensor.shape)}, {self.tensor.dtype}) was "
+                f"modified by an in-place operation after it was saved (version {self.version} -> "
+                f"{self.tensor._version}); compress_activations kept it uncompressed, so backward would "
+                "see the changed values. Clone it before modifying it, or modify a copy")
+        return self.tensor
+
+
 class ActivationCompressor:
     """A reusable context manager that compresses the activations ``model`` saves for backward.
 
@@ -144,7 +167,7 @@ class ActivationCompressor:
 
     # -- the hooks -----------------------------------------------------------------------
     def pack(self, tensor: torch.Tensor) -> Any:
-        """The pack hook: a :class:`PackedActivation` handle, or ``tensor`` itself if kept."""
+        """The pack hook: a :class:`PackedActivation` handle, or a wrapper of ``tensor`` if kept."""
         stats = self.statistics
         stats.saved_tensors += 1
         nbytes = tensor.numel() * tensor.element_size()
@@ -169,14 +192,18 @@ class ActivationCompressor:
         return handle
 
     def unpack(self, packed: Any) -> torch.Tensor:
-        """The unpack hook: decodes a handle (again, if asked twice); kept tensors pass through."""
-        if isinstance(packed, PackedActivation):
+        """The unpack hook: decodes a handle (again, if asked twice); kept tensors pass through.
+
+        Raises ``RuntimeError`` if a kept tensor was modified in place after it was saved
+        (what autograd itself raises without hooks).
+        """
+        if isinstance(packed, (PackedActivation, _KeptTensor)):
             return packed.unpack()
         return packed
 
-    def _keep(self, tensor: torch.Tensor, nbytes: int) -> torch.Tensor:
+    def _keep(self, tensor: torch.Tensor, nbytes: int) -> _KeptTensor:
         self.statistics.kept_bytes += nbytes
-        return tensor
+        return _KeptTensor(tensor)
 
     def _compress(self, tensor: torch.Tensor, nbytes: int,
                   consumer: str) -> tuple[Optional[PackedActivation], str]:
