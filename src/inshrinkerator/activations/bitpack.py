@@ -137,6 +137,7 @@ def unpack_codes(packed: PackedCodes) -> torch.Tensor:
             continue
         rows = torch.nonzero(widths == width).reshape(-1)
         size = rows.numel() * GROUP * int(width) // 8
-        groups.index_copy_(0, rows, _unpack_fixed(packed.data[offset:offset + size], rows.numel(), int(width)))
+        values = _unpack_fixed(packed.data[offset:offset + size], rows.numel(), int(width))
+        groups.index_copy_(0, rows, values)
         offset += size
     return groups.reshape(-1)[:packed.count]

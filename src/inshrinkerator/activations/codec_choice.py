@@ -3,9 +3,9 @@
 ``"quantizer"`` (torch ops, any device) and ``"sz3"`` (pysz, CPU float32/float64) both meet
 the same absolute bound. With ``"auto"`` the chooser tries every applicable candidate on
 a tensor the first time its slot is seen and again on every measuring step, keeps the
-smallest (a slower candidate must be at least 5% smaller to win), and reuses that choice for the slot in between (trying all of them every step
-would triple the packing time). Tensors SZ3 cannot take (another device or dtype) always
-go to the quantizer.
+smallest (a slower candidate must be at least 5% smaller to win), and reuses that choice
+for the slot in between (trying all of them every step would triple the packing time).
+Tensors SZ3 cannot take (another device or dtype) always go to the quantizer.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ _ENCODERS: dict[str, _Encoder] = {
 
 def candidate_names(codec: str, tensor: torch.Tensor) -> list[str]:
     """The encoders worth trying for ``tensor`` under the ``codec`` setting, best guess first."""
-    sz3_ok = sz3_available() and tensor.device.type == "cpu" and tensor.dtype in (torch.float32, torch.float64)
+    sz3_ok = (sz3_available() and tensor.device.type == "cpu"
+              and tensor.dtype in (torch.float32, torch.float64))
     if codec == "quantizer" or not sz3_ok:
         return ["quantizer"]
     names = ["sz3-nopred"]

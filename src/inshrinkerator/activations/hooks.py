@@ -100,7 +100,8 @@ class ActivationCompressor:
                  codec: str = "auto", noise: float = 0.1, every: int = 50,
                  min_bytes: int = 64 * 1024, max_relative: float = 0.1) -> None:
         if not isinstance(model, nn.Module):
-            raise TypeError(f"compress_activations needs the nn.Module being trained, got {type(model).__name__}")
+            raise TypeError("compress_activations needs the nn.Module being trained, "
+                            f"got {type(model).__name__}")
         self.model = model
         self.bounds = AdaptiveErrorBound(error_bound, adaptive, noise=noise, every=every,
                                          max_relative=max_relative)

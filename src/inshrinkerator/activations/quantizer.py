@@ -174,7 +174,8 @@ def quantize(tensor: torch.Tensor, error_bound: float) -> Optional[QuantizedActi
         if chunk is None:
             return None
         chunks.append(chunk)
-    return QuantizedActivation(tuple(tensor.shape), tensor.dtype, tensor.device, step, positive, signed, chunks)
+    return QuantizedActivation(tuple(tensor.shape), tensor.dtype, tensor.device, step, positive, signed,
+                               chunks)
 
 
 def _quantize_chunk(flat: torch.Tensor, step: float, bound: float, positive: bool, signed: bool,

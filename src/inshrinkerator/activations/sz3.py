@@ -78,7 +78,8 @@ class SZ3Activation:
         return out.view(self.shape)
 
 
-def sz3_compress(tensor: torch.Tensor, error_bound: float, predictor: str = "nopred") -> Optional[SZ3Activation]:
+def sz3_compress(tensor: torch.Tensor, error_bound: float,
+                 predictor: str = "nopred") -> Optional[SZ3Activation]:
     """SZ3-compress a float32/float64 CPU tensor within ``error_bound`` (absolute).
 
     Returns ``None`` when SZ3 does not apply (pysz missing, another dtype or device,

@@ -19,7 +19,8 @@ def main(argv: list[str]) -> None:
     from .training import Trainer
     from .workloads import WORKLOADS
 
-    workload_name, method, seed, batch_size, steps = argv[0], argv[1], int(argv[2]), int(argv[3]), int(argv[4])
+    workload_name, method = argv[0], argv[1]
+    seed, batch_size, steps = int(argv[2]), int(argv[3]), int(argv[4])
     torch.set_num_threads(int(argv[5]) if len(argv) > 5 else 1)
     workload = WORKLOADS[workload_name]
     trainer = Trainer.create(workload, method, seed)

@@ -41,21 +41,25 @@ def markdown_report(results: dict[str, Any]) -> str:
             f"## {name}",
             "",
             f"{workload['description']}. Training: {workload['steps']} steps at batch "
-            f"{workload['batch_size']}, seeds {workload['seeds']}; memory batch {workload['memory_batch_size']}.",
+            f"{workload['batch_size']}, seeds {workload['seeds']}; "
+            f"memory batch {workload['memory_batch_size']}.",
             "",
             f"| method | saved activations (MB) | reduction | codec's own count (MB) | forward RSS (MB) "
             f"| peak RSS (MB) | peak RSS vs none | step (ms) | step overhead | {metric} | {metric} vs none |",
             "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
+        digits = 3 if metric == "val_loss" else 2
         for method, row in workload["methods"].items():
+            reported = row.get("codec_reported_bytes")
             lines.append(
                 f"| {method} | {_fmt(row['saved_bytes'] / _MB, 2)} | {_fmt(row['reduction'], 1)}x "
-                f"| {_fmt(row['codec_reported_bytes'] / _MB, 2) if row.get('codec_reported_bytes') is not None else '—'} "
+                f"| {_fmt(reported / _MB, 2) if reported is not None else '—'} "
                 f"| {_fmt(row['forward_rss_growth'] / _MB)} | {_fmt(row['peak_rss'] / _MB, 0)} "
                 f"| {_fmt(row['peak_rss_change'] / _MB, 0, signed=True)} MB "
-                f"| {_fmt(row['step_seconds'] * 1e3, 0)} | {_fmt(row['step_overhead_percent'], 0, signed=True)}% "
-                f"| {_fmt(row['metric_mean'], 3 if metric == 'val_loss' else 2)} ± {_fmt(row['metric_spread'], 3 if metric == 'val_loss' else 2)} "
-                f"| {_fmt(row['metric_change'], 3 if metric == 'val_loss' else 2, signed=True)} |"
+                f"| {_fmt(row['step_seconds'] * 1e3, 0)} "
+                f"| {_fmt(row['step_overhead_percent'], 0, signed=True)}% "
+                f"| {_fmt(row['metric_mean'], digits)} ± {_fmt(row['metric_spread'], digits)} "
+                f"| {_fmt(row['metric_change'], digits, signed=True)} |"
             )
         extra = [m for m, row in workload["methods"].items() if row.get("bounds")]
         for method in extra:

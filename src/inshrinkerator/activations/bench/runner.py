@@ -26,7 +26,8 @@ _COMPARED = "ink-auto"  # the method the acceptance criteria are checked on
 
 def _commit() -> str:
     try:
-        done = subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "--short", "HEAD"],
+        here = str(Path(__file__).resolve().parent)
+        done = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"],
                               capture_output=True, text=True, timeout=10)
     except OSError:
         return "unknown"
@@ -41,8 +42,9 @@ class _Progress:
         if enabled:
             from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-            self._bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                                 TimeElapsedColumn(), transient=False)
+            self._bar = Progress(TextColumn("{task.description}"), BarColumn(),
+                                 TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
+                                 transient=False)
             self._bar.start()
             self._task = self._bar.add_task("activation bench", total=total)
 
@@ -72,7 +74,8 @@ def _step_times(workload: ActivationWorkload, methods: list[str], rounds: int, s
             times[method].extend(trainer.timed_step(step + i) for i in range(steps_per_round))
             tick()
         step += steps_per_round
-    return {method: {"best": min(values), "median": statistics.median(values)} for method, values in times.items()}
+    return {method: {"best": min(values), "median": statistics.median(values)}
+            for method, values in times.items()}
 
 
 def _summarize(workload: ActivationWorkload, methods: list[str], memory: dict[str, dict[str, Any]],
