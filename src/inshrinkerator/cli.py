@@ -257,7 +257,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.activations:
         from .activations.bench import run_activation_bench
 
-        result = run_activation_bench(out, quick=args.quick)
+        result = run_activation_bench(out, quick=args.quick, parallel=True)
     else:
         from .bench import run_bench
 
