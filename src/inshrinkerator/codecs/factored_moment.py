@@ -62,11 +62,12 @@ class FactoredMomentCodec(Codec):
         shape = factored_shape(tuple(tensor.shape))
         if shape is None:
             raise ValueError(f"{self.codec_id} needs at least 2 rows and 2 columns, got {list(tensor.shape)}")
-        matrix = tensor.detach().reshape(shape).double()
-        if not bool(torch.isfinite(matrix).all()) or bool((matrix < 0).any()):
+        matrix = tensor.detach().reshape(shape)
+        low, high = torch.aminmax(matrix)
+        if not (float(low) >= 0 and float(high) < float("inf")):
             raise ValueError(f"{self.codec_id} stores finite non-negative tensors only")
-        rows = matrix.mean(1).float().cpu()
-        columns = matrix.mean(0).float().cpu()
+        rows = matrix.mean(1, dtype=torch.float64).float().cpu()
+        columns = matrix.mean(0, dtype=torch.float64).float().cpu()
         stream = _HEAD.pack(*shape) + rows.numpy().tobytes() + columns.numpy().tobytes()
         return Encoded(streams=[stream], reconstruction=_rebuild(rows, columns, tensor.dtype, tuple(tensor.shape)))
 
