@@ -243,6 +243,8 @@ class CheckpointManager:
         delta = manifest.kind == "delta"
         self._latest, self._latest_known = manifest, True
         self._latest_depth = self._latest_depth + 1 if delta else 0
+        # The base's reference is done with: free it before copying this step's (one copy at a time).
+        self._reference = None
         self._reference = _private_cpu_copy(written.reconstruction, None if private else state)
         self._reference_step = step
         try:
