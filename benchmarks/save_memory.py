@@ -193,7 +193,11 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="ink-save-memory-") as scratch:
             print(json.dumps(run_case(args.child, total_bytes, Path(scratch))))
         return
+    previous: dict[str, Any] = {}
+    if args.out.exists():  # measuring some cases again keeps the others
+        previous = {r["case"]: r for r in json.loads(args.out.read_text()).get("results", [])}
     results = []
+    commit = _commit()
     for case in args.cases:
         started = time.perf_counter()
         child = subprocess.run(
@@ -204,14 +208,17 @@ def main() -> None:
             raise SystemExit(f"{case} failed:\n{child.stderr[-3000:]}")
         result = json.loads(child.stdout.strip().splitlines()[-1])
         result["wall_seconds"] = round(time.perf_counter() - started, 1)
+        result["commit"] = commit
         results.append(result)
         for entry in result["saves"]:
             print(f"{case:18s} {entry['save']:15s} state {result['state_bytes'] / 2**30:.2f} GiB  "
                   f"extra {entry['extra_mib']:8.1f} MiB = {entry['extra_over_state']:.3f} x state  "
                   f"({entry['seconds']:.1f} s)", flush=True)
+    measured = {r["case"] for r in results}
+    results += [r for case, r in previous.items() if case not in measured]
+    results.sort(key=lambda r: CASES.index(r["case"]) if r["case"] in CASES else len(CASES))
     report = {
         "benchmark": "peak extra RSS during a save, relative to the state size",
-        "commit": _commit(),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
         "state_gib": args.gib,
         "results": results,
