@@ -101,7 +101,7 @@ def _write_whole(destination: str, produce: Callable[[IO[bytes]], T]) -> T:
         if callable(discard) and not handle.closed:
             try:
                 discard()
-            except Exception:  # noqa: BLE001 - the store may be unreachable: report the write's error
+            except Exception:  # noqa: BLE001 - the store may be unreachable: the write's error counts
                 pass
         try:
             handle.closed = True  # discarded: closing (even by the finalizer) must not upload
@@ -116,7 +116,7 @@ def _write_whole(destination: str, produce: Callable[[IO[bytes]], T]) -> T:
 def _remove_quietly(fs: Any, path: str) -> None:
     try:
         fs.rm_file(path)
-    except Exception:  # noqa: BLE001 - nothing there, or the store is unreachable: not the caller's error
+    except Exception:  # noqa: BLE001 - nothing there, or the store is unreachable: not an error
         pass
 
 
@@ -150,7 +150,9 @@ def save(
     references = _base_references(base)
     destination = os.fspath(path)
     try:
-        written = _write_whole(destination, lambda handle: write_state(handle, state, chosen, references, progress=progress))
+        written = _write_whole(
+            destination, lambda handle: write_state(handle, state, chosen, references, progress=progress)
+        )
     except Exception as exc:
         exc.add_note(f"saving {destination} failed: what it held before (if anything) is unchanged")
         raise

@@ -3,7 +3,7 @@
 Each kill point starts a process that keeps overwriting one file with new versions, kills
 it with SIGKILL at a random moment, then loads the file: it must hold exactly the last
 version whose save returned, or the one being saved when the process died (the rename had
-happened). Long run: ``INSHRINK_FAULT_KILL_POINTS=500 pytest tests/reliability/test_kill_single_file.py -s``.
+happened). Long run: ``INSHRINK_FAULT_KILL_POINTS=250 pytest tests/reliability/test_kill_single_file.py -s``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import inshrinkerator as ink
 from ..helpers import assert_same
 from .kill_child import save_until_killed, version_state
 
-KILL_POINTS = max(1, int(os.environ.get("INSHRINK_FAULT_KILL_POINTS", "15")) // 2)
+KILL_POINTS = int(os.environ.get("INSHRINK_FAULT_KILL_POINTS", "6"))
 
 
 @pytest.fixture(scope="module")

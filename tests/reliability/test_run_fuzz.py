@@ -100,7 +100,7 @@ def check_readers(folder: Path, expected_loads: dict[int, bool], tally: Any) -> 
         assert time.perf_counter() - started < PROMPT_SECONDS
 
 
-@budget(ci_examples=120)
+@budget(ci_examples=80)
 @given(data=st.data())
 def test_damaged_runs_fail_cleanly_and_verify_reports_exactly_the_broken_steps(
     template_run: tuple[Path, RunFiles], tally: Any, data: st.DataObject
@@ -130,7 +130,7 @@ def _sealed_forgery(document: dict[str, Any]) -> bytes:
     return encode_manifest(manifest)[1]
 
 
-@budget(ci_examples=80)
+@budget(ci_examples=50)
 @given(data=st.data())
 def test_forged_manifests_never_crash_and_never_yield_other_data(
     template_run: tuple[Path, RunFiles], tally: Any, data: st.DataObject
@@ -167,7 +167,7 @@ def test_forged_manifests_never_crash_and_never_yield_other_data(
         assert all(isinstance(line, str) for line in problems)
 
 
-@budget(ci_examples=400)
+@budget(ci_examples=300)
 @given(
     plan=st.lists(
         st.tuples(st.sampled_from(["flip", "truncate", "splice", "extend"]), st.integers(0, 4096), st.binary(max_size=8)),
@@ -200,7 +200,7 @@ def test_a_manifest_parses_only_if_its_bytes_are_unchanged(template_run: tuple[P
     assert parsed == original
 
 
-@budget(ci_examples=300)
+@budget(ci_examples=150)
 @given(document=st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
     lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=12), children, max_size=6),

@@ -196,8 +196,11 @@ MOMENTS = {
 }
 
 
-@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
-@pytest.mark.parametrize("moment", sorted(MOMENTS))
+@pytest.mark.parametrize(
+    "moment, async_save",
+    [*((moment, False) for moment in sorted(MOMENTS)), ("during-upload", True)],
+    ids=[*(f"{moment}-sync" for moment in sorted(MOMENTS)), "during-upload-async"],
+)
 def test_the_server_stopping_mid_save_loses_nothing(
     s3: S3Server, moment: str, async_save: bool, monkeypatch: pytest.MonkeyPatch, tally: Any
 ) -> None:

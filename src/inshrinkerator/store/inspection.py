@@ -85,7 +85,8 @@ def _marker_problems(storage: Any, names: list[str]) -> list[str]:
     if RUN_MARKER not in names:
         return [f"run marker: {storage.describe(RUN_MARKER)} is missing; the run was damaged"]
     try:
-        parse_run_marker(storage.read_bytes(RUN_MARKER, MAX_MANIFEST_BYTES), storage.describe(RUN_MARKER))
+        blob = storage.read_bytes(RUN_MARKER, MAX_MANIFEST_BYTES)
+        parse_run_marker(blob, storage.describe(RUN_MARKER))
     except (InkError, OSError) as exc:
         return [f"run marker: {type(exc).__name__}: {exc}"]
     return []

@@ -243,7 +243,7 @@ class CheckpointManager:
         delta = manifest.kind == "delta"
         self._latest, self._latest_known = manifest, True
         self._latest_depth = self._latest_depth + 1 if delta else 0
-        # The base's reference is done with: free it before copying this step's (one copy at a time).
+        # The base's reference is done with: free it before copying this step's.
         self._reference = None
         self._reference = _private_cpu_copy(written.reconstruction, None if private else state)
         self._reference_step = step
@@ -255,8 +255,9 @@ class CheckpointManager:
                 self._latest_depth = self._chain_depth(step)
         except Exception as exc:
             exc.add_note(
-                f"step {step} was committed to {self.location}; applying keep_last={self.keep_last} "
-                "failed after the commit (older steps may remain; the next save applies it again)"
+                f"step {step} was committed to {self.location}; applying "
+                f"keep_last={self.keep_last} failed after the commit (older steps may remain; "
+                "the next save applies it again)"
             )
             raise
         return SaveInfo(
@@ -269,8 +270,10 @@ class CheckpointManager:
             policy=manifest.policy,
         )
 
-    def _commit_step(self, step: int, state: Any, base: Optional[StepManifest]) -> tuple[StepManifest, WrittenState]:
-        """Write the step's data file, then its manifest (the commit); the manifest and what was written."""
+    def _commit_step(
+        self, step: int, state: Any, base: Optional[StepManifest]
+    ) -> tuple[StepManifest, WrittenState]:
+        """Write the step's data file, then its manifest (the commit); returns both."""
         storage = self._storage
         if not self._writing:
             names = storage.list_names()

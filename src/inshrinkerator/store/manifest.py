@@ -99,18 +99,20 @@ def _sealed(document: dict[str, Any]) -> dict[str, Any]:
     return {**body, "crc32": f"{zlib.crc32(canonical):08x}"}
 
 
-def _check_seal(document: dict[str, Any], blob: bytes, indent: Optional[int], fields: frozenset[str], source: str) -> None:
-    """Refuse unknown fields, and a sealed document whose bytes are not exactly what its writer wrote."""
+def _check_seal(
+    document: dict[str, Any], blob: bytes, indent: Optional[int], fields: frozenset[str], source: str
+) -> None:
+    """Refuse unknown fields, and a sealed document whose bytes are not what its writer wrote."""
     unknown = sorted(set(document) - fields)
     if unknown:
         raise CorruptCheckpointError(
-            f"{source}: unknown fields {str(unknown)[:80]}; the file was damaged or written by a newer "
-            "inshrinkerator"
+            f"{source}: unknown fields {str(unknown)[:80]}; the file was damaged or written by "
+            "a newer inshrinkerator"
         )
     if "crc32" in document and json.dumps(_sealed(document), indent=indent).encode("utf-8") != blob:
         raise CorruptCheckpointError(
-            f"{source}: the bytes do not match the file's checksum; the run was damaged — restore this "
-            "file from a copy, or delete it (a step manifest: the step is dropped)"
+            f"{source}: the bytes do not match the file's checksum; the run was damaged — "
+            "restore this file from a copy, or delete it (a step manifest: the step is dropped)"
         )
 
 
@@ -118,7 +120,8 @@ _MARKER_FIELDS = frozenset({"format", "version", "created", "crc32"})
 
 
 def run_marker_bytes() -> bytes:
-    return json.dumps(_sealed({"format": RUN_FORMAT, "version": MANIFEST_VERSION, "created": utc_now()})).encode()
+    marker = {"format": RUN_FORMAT, "version": MANIFEST_VERSION, "created": utc_now()}
+    return json.dumps(_sealed(marker)).encode()
 
 
 def parse_run_marker(blob: bytes, source: str) -> None:
@@ -132,7 +135,9 @@ def parse_run_marker(blob: bytes, source: str) -> None:
     try:
         document = json.loads(blob.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise CorruptCheckpointError(f"{source}: run marker is not valid JSON ({str(exc)[:80]})") from None
+        raise CorruptCheckpointError(
+            f"{source}: run marker is not valid JSON ({str(exc)[:80]})"
+        ) from None
     if not isinstance(document, dict) or document.get("format") != RUN_FORMAT:
         raise CorruptCheckpointError(f"{source}: not an inshrinkerator run marker")
     if document.get("version") != MANIFEST_VERSION:

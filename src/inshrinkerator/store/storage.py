@@ -198,7 +198,7 @@ class FsspecRunStorage(RunStorage):
             if callable(discard):
                 try:
                     discard()
-                except Exception:  # noqa: BLE001 - the store may be unreachable: report the write's error
+                except Exception:  # noqa: BLE001 - the store may be unreachable: the write's error counts
                     pass
             try:
                 handle.closed = True  # discarded: closing (even by the finalizer) must not upload
