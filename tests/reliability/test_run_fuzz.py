@@ -230,3 +230,46 @@ def test_the_template_is_what_the_fuzzers_assume(template_run: tuple[Path, RunFi
     assert files.base == {0: None, 1: 0, 2: 1, 3: None, 4: 3, 5: 4}
     assert set(snapshot_files(template)) == {RUN_MARKER, *map(manifest_name, files.base), *files.data_file.values()}
     assert verify_run(str(template)) == []
+
+
+NEAR_MISSES = [
+    "step-0000000001.json.tmp", "step-1.json", "STEP-0000000001.JSON", "step-00000000001.json",
+    "step-0000000001-ABCDEF12.ink", "step-0000000001-0123.ink", ".tmp-step-0000000001.json.x",
+    "inshrink-run.json.bak", "step--000000001.json", "step-0000000001.json ", "step-٠٠٠٠٠٠٠٠٠١.json",
+]
+
+
+@budget(ci_examples=40)
+@given(
+    junk=st.lists(
+        st.tuples(
+            st.one_of(st.sampled_from(NEAR_MISSES), st.text(min_size=1, max_size=30)),
+            st.binary(max_size=64),
+        ),
+        min_size=1,
+        max_size=5,
+    )
+)
+def test_other_files_in_a_run_folder_are_skipped(template_run: tuple[Path, RunFiles], tally: Any, junk) -> None:
+    """Files that are neither the marker, a manifest nor a data file a manifest names are not
+    part of the run: readers and verify skip them (a writer removes only its own leftovers)."""
+    from inshrinkerator.store.manifest import step_of_manifest_name
+
+    template, files = template_run
+    with tempfile.TemporaryDirectory(prefix="ink-junk-") as scratch:
+        folder = Path(scratch) / "run"
+        copy_run(template, folder)
+        written = 0
+        for name, content in junk:
+            if "/" in name or "\0" in name or name in (".", "..") or step_of_manifest_name(name) is not None:
+                continue
+            if name == RUN_MARKER or name in files.data_file.values() or len(name.encode()) > 200:
+                continue
+            try:
+                (folder / name).write_bytes(content)
+            except OSError:
+                continue  # a name this filesystem refuses
+            written += 1
+        tally["junk files"] += written
+        check_readers(folder, {step: True for step in files.base}, tally)
+        assert verify_run(str(folder)) == []
