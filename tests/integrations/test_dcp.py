@@ -99,10 +99,15 @@ def test_torchrun_two_ranks_each_write_and_restore_their_own_shard(tmp_path: Pat
                 str(EXAMPLES / "dcp_torchrun.py"), "--out", str(tmp_path), "--policy", "lossless"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for phase in ("save", "resume"):
-        for _attempt in range(2):  # a port taken between rendezvous probes: launch once more
+        for _attempt in range(2):
             done = subprocess.run([*torchrun, "--phase", phase], capture_output=True, text=True,
                                   timeout=240, env=env, check=False)
-            if done.returncode == 0 or "address already in use" not in done.stderr.lower():
+            # Launch once more for failures of the launcher, not of the checkpoint code: a port
+            # taken between rendezvous probes, or a rank aborting in C++ teardown at exit
+            # ("terminate called without an active exception", seen rarely on a loaded machine;
+            # its cause is still open).
+            retryable = ("address already in use", "terminate called without an active exception")
+            if done.returncode == 0 or not any(m in done.stderr.lower() for m in retryable):
                 break
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     print(done.stdout.strip())
