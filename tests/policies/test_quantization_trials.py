@@ -36,10 +36,13 @@ def test_trial_error_matches_the_encoded_error(metric: str) -> None:
     )
     decoded = codec.encode(weights).reconstruction
     pruned = decoded == 0
-    real_pruned = float(fisher.mean() * (weights[pruned] ** 2).sum())
-    real_rounding = float((fisher[~pruned] * (decoded[~pruned] - weights[~pruned]) ** 2).sum())
-    assert result.pruned_error == pytest.approx(real_pruned, rel=0.1)
-    assert result.error == pytest.approx(PRUNE_PENALTY * real_pruned + real_rounding, rel=0.1)
+    squares = float((weights[pruned] ** 2).sum())
+    plain = (PRUNE_PENALTY * squares + float(((decoded - weights)[~pruned] ** 2).sum())) / float((weights**2).sum())
+    weighted = PRUNE_PENALTY * float(fisher.mean()) * squares
+    weighted += float((fisher[~pruned] * (decoded[~pruned] - weights[~pruned]) ** 2).sum())
+    weighted /= float((fisher * weights**2).sum())
+    assert result.pruned_error == pytest.approx(squares, rel=0.1)
+    assert result.error == pytest.approx(max(plain, weighted), rel=0.1)
     assert trial.total == pytest.approx(float((fisher * weights**2).sum()), rel=0.01)
     assert 0.17 < float(pruned.float().mean()) < 0.23
 

@@ -8,8 +8,8 @@ Every element gets an integer *bucket id* from a :class:`LevelTable`:
 * the rest get the nearest *centroid*; the centroids come from weighted k-means
   over the tensor's log-histogram sketch (:mod:`.log_sketch`,
   :mod:`.weighted_kmeans`), in the linear domain, or in the log2 domain for
-  positive tensors such as Adam's second moment (levels then stay positive and
-  the error is relative).
+  positive tensors such as Adam's second moment (levels then stay positive, the
+  error is relative, and values round *up* to a level).
 
 The table maps every sketch key to an id: the nearest centroid of the key's
 bucket centre, except that magnitudes below ``prune_below`` (a magnitude key)
@@ -114,14 +114,15 @@ class LevelTable:
     def boundaries(self) -> torch.Tensor:
         """Float64 decision boundaries between consecutive centroids.
 
-        Linear domain: arithmetic midpoints; log domain: geometric midpoints. Both are
-        correctly rounded IEEE operations, so every device computes the same bits.
+        Linear domain: arithmetic midpoints (nearest level). Log domain: the centroids
+        themselves, so a value takes the smallest level at or above it (rounding up: a
+        restored second moment is never smaller than the true one, so no restored Adam
+        step is larger than it would have been). Every device computes the same bits.
         """
         centroids = self.centroids().double()
-        low, high = centroids[:-1], centroids[1:]
         if self.domain == LOG:
-            return torch.sqrt(low * high)
-        return (low + high) / 2
+            return centroids[:-1]
+        return (centroids[:-1] + centroids[1:]) / 2
 
     def lookup(self, device: Optional[torch.device] = None) -> torch.Tensor:
         """Signed key -> id (length ``SIGNED_KEYS``, :func:`id_dtype`)."""
@@ -162,8 +163,10 @@ def fit_centroids(
     """At most ``bins`` sorted non-zero float32 centroids fitted to a signed-key histogram.
 
     Linear domain: weighted k-means on the bucket centres with
-    :func:`histogram_sample_weights`; log domain: count-weighted k-means on log2 of the
-    positive bucket centres. ``init`` (``bins`` values) warm-starts the clustering.
+    :func:`histogram_sample_weights`; log domain: k-means on log2 of the positive bucket
+    centres, each weighted ``sigma * count share + (1 - sigma) / buckets`` so that levels
+    reach the sparse tails, with the top level raised to cover the largest bucket.
+    ``init`` (``bins`` values) warm-starts the clustering.
     """
     if domain not in (LINEAR, LOG):
         raise ValueError(f"domain must be one of {DOMAINS}, got {domain!r}")
@@ -179,7 +182,14 @@ def fit_centroids(
         return torch.empty(0, dtype=torch.float32)
     if domain == LOG:
         start = torch.log2(init) if init is not None and bool((init > 0).all()) else None
-        centroids = torch.exp2(weighted_kmeans_1d(torch.log2(centres), counts.double(), bins, init=start))
+        # Counts alone would leave the sparse upper tail (the largest gradients) without
+        # levels; the uniform part spreads levels over the whole occupied log range.
+        occupied = torch.full_like(centres, 1.0 / centres.numel())
+        weights = sigma * counts.double() / counts.sum() + (1.0 - sigma) * occupied
+        centroids = torch.exp2(weighted_kmeans_1d(torch.log2(centres), weights, bins, init=start))
+        # Values round up to a level (see LevelTable.boundaries): the top level must
+        # cover the largest bucket.
+        centroids[-1] = torch.maximum(centroids[-1], centres.max())
     else:
         weights = histogram_sample_weights(centres, counts, sigma)
         centroids = weighted_kmeans_1d(centres, weights, bins, init=init)
@@ -219,9 +229,11 @@ def assign_ids(
 def sticky_bounds(table: LevelTable, stickiness: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Per id, the value interval in which an element keeps that (predicted) id.
 
-    A centroid level's interval reaches ``(1 + stickiness)`` half-cells past its own
-    cell on each side (measured in log2 in the log domain); the zero level and the
-    protect id get empty intervals (prune and protect decisions are never overridden).
+    Linear domain: a centroid level's interval reaches ``(1 + stickiness)`` half-cells
+    past its own cell on each side. Log domain (round-up levels): from
+    ``(1 + stickiness)`` cells below the level (measured in log2) up to the level itself.
+    The zero level and the protect id get empty intervals (prune and protect decisions
+    are never overridden).
     """
     centroids = table.centroids().double()
     count = centroids.numel()
@@ -234,10 +246,13 @@ def sticky_bounds(table: LevelTable, stickiness: float) -> tuple[torch.Tensor, t
     inf = torch.tensor([float("inf")], dtype=torch.float64)
     below = torch.cat([-inf, position[:-1]])
     above = torch.cat([position[1:], inf])
-    lower = position - reach * (position - below) / 2
-    upper = position + reach * (above - position) / 2
     if table.domain == LOG:
-        lower, upper = torch.exp2(lower), torch.exp2(upper)
+        # Round-up levels: keep a level while it stays above the value, and not more
+        # than (1 + stickiness) cells above it.
+        lower, upper = torch.exp2(position - reach * (position - below)), centroids
+    else:
+        lower = position - reach * (position - below) / 2
+        upper = position + reach * (above - position) / 2
     ids = torch.arange(table.count - 2)
     ids = ids + (ids >= table.zero_index).long()
     low[ids], high[ids] = lower, upper

@@ -8,10 +8,11 @@ Per checkpoint:
    fraction: the most compressive point whose quality stays within ``tolerance``.
    Quality is the user's ``evaluate(model_state_dict)`` (lower is better; relative
    change at most ``tolerance``) when given, else a proxy: every weight tensor's
-   Fisher-weighted relative reconstruction error ``sum(F (w_hat - w)^2) / sum(F w^2)``,
-   ``F`` being the paired Adam second moment (or the squared gradient average of a
-   watched model, or 1), must stay below ``tolerance * PROXY_SCALE`` (calibrated on
-   the benchmark workloads: docs/dynaquant.md). The first checkpoint runs a guided search of the
+   relative reconstruction error, plain ``sum((w_hat - w)^2) / sum(w^2)`` and
+   Fisher-weighted ``sum(F (w_hat - w)^2) / sum(F w^2)`` (``F`` the paired Adam second
+   moment, or the squared gradient average of a watched model), must stay below
+   ``tolerance * PROXY_SCALE`` (calibrated on the benchmark workloads:
+   docs/dynaquant.md). The first checkpoint runs a guided search of the
    whole cube; later ones search around the previous best and fall back to an
    exhaustive search when nothing near it is feasible. Prune thresholds are shared per
    layer type. Weights are stored by :class:`~inshrinkerator.codecs.DynaQuantDeltaCodec`
@@ -124,7 +125,10 @@ class DynaQuant(Policy):
 
     Args:
         tolerance: the relative quality loss one checkpoint may cause (with ``evaluate``),
-            or, without it, the proxy budget in units of ``PROXY_SCALE``.
+            or, without it, the largest relative squared error of a weight tensor (the
+            proxy, in units of ``PROXY_SCALE``).
+        frozen_tolerance: the proxy budget of weights without optimizer state (frozen
+            layers, or a bare model): their error is never trained away.
         evaluate: ``evaluate(model_state_dict) -> float``, lower is better; called on
             quantized models during the search.
         bins, embedding_bins, prune, protect: the search grid, each from the least to the
@@ -144,14 +148,15 @@ class DynaQuant(Policy):
         min_numel: smaller tensors are stored losslessly.
     """
 
-    tolerance: float = 0.01
+    tolerance: float = 0.0005
+    frozen_tolerance: float = 0.0001
     evaluate: Optional[Callable[[dict[str, torch.Tensor]], float]] = field(default=None, compare=False)
     bins: tuple[int, ...] = (128, 64, 48, 32, 24, 16, 12, 8, 6, 4)
     embedding_bins: tuple[int, ...] = (128, 64, 32, 16)
     prune: tuple[float, ...] = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5)
     protect: tuple[float, ...] = (0.01, 0.005, 0.0005)
-    sigma: float = 0.2
-    stickiness: float = 0.5
+    sigma: float = 1.0
+    stickiness: float = 1.0
     neighbourhood: int = 1
     moment_bins: int = 8
     first_moment_keep: float = 0.05
@@ -164,6 +169,7 @@ class DynaQuant(Policy):
 
     def __post_init__(self) -> None:
         _check_number("tolerance", self.tolerance, 1e-12, 1e6)
+        _check_number("frozen_tolerance", self.frozen_tolerance, 1e-12, 1e6)
         if self.evaluate is not None and not callable(self.evaluate):
             raise ValueError("evaluate must be a callable taking a model state_dict and returning a float")
         _check_grid("bins", self.bins, int, 1, 1024)
@@ -294,9 +300,16 @@ class DynaQuant(Policy):
             # measured on the last one (a guess before the first). Full checkpoints get the
             # same room, so the next delta's search starts from a point that still fits.
             inflation = self._memory.inflation or 1.0 + 1.3 * self.stickiness
+        # Weights without optimizer state are frozen (or the state is a bare model): their
+        # error is never trained away, so they get the tighter budget.
+        scales = {
+            i: min(self.frozen_tolerance / self.tolerance, 1.0)
+            for i in indices
+            if not layout.optimizer_state_of(i)
+        }
         cube = ConfigurationCube(
             trials, leaves, self.bins, self.embedding_bins, self.prune, self.protect, budget / inflation,
-            self.evaluate, init,
+            self.evaluate, init, scales,
         )
         point, metric, kind = cube.search(self._memory.best, self.neighbourhood)
         record = SearchRecord(
@@ -332,7 +345,7 @@ class DynaQuant(Policy):
                 protect_mask=result.protect_mask,
                 stats=self._memory.entropy,
             )
-        return _WeightPlan(indices, trials, cube, record, budget, self.evaluate)
+        return _WeightPlan(indices, trials, cube, record, budget, self.evaluate, scales)
 
     # ----------------------------------------------------------------- moments
 
@@ -432,6 +445,7 @@ class _WeightPlan:
     record: SearchRecord
     budget: float
     evaluate: Optional[Callable[[dict[str, torch.Tensor]], float]]
+    scales: dict[int, float]
 
     def stored_quality(self, encoded: dict[int, Any]) -> float:
         """The quality measure of the weights as stored (the proxy, or ``evaluate``)."""
@@ -441,10 +455,12 @@ class _WeightPlan:
         for index in self.indices:
             trial = self.trials[index]
             difference = encoded[index].reconstruction.reshape(-1).float() - trial.flat.float()
-            weighted = difference if trial.weights is None else difference * trial.weights
-            error = float(torch.dot(weighted, difference))
-            if error != error:  # NaN: non-finite weights are stored exactly (protected)
-                finite = torch.isfinite(difference)
-                error = float(torch.dot(weighted[finite], difference[finite]))
-            worst = max(worst, error / max(trial.total, 1e-300))
+            finite = torch.isfinite(difference)
+            if not bool(finite.all()):  # non-finite weights are stored exactly (protected)
+                difference = torch.where(finite, difference, 0.0)
+            error = float(torch.dot(difference, difference)) / max(trial.total_plain, 1e-300)
+            if trial.weights is not None:
+                weighted = float(torch.dot(difference * trial.weights, difference))
+                error = max(error, weighted / max(trial.total, 1e-300))
+            worst = max(worst, error / self.scales.get(index, 1.0))
         return worst

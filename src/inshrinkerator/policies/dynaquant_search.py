@@ -211,9 +211,9 @@ class ConfigurationCube:
 
     Axes (least to most aggressive): bins, embedding bins, prune fraction, protect
     fraction; the prune metric (magnitude / sensitivity) is searched as two cubes.
-    Quality is the proxy — the largest Fisher-weighted relative squared error of any
-    tensor (a global ratio would let large, well-conditioned tensors hide the damage done
-    to small ones) — or, when ``evaluate`` is given, the relative change of
+    Quality is the proxy — the largest relative squared error of any tensor, plain or
+    Fisher-weighted (a global ratio would let large, well-conditioned tensors hide the
+    damage done to small ones) — or, when ``evaluate`` is given, the relative change of
     ``evaluate(model_state_dict)``.
 
     Args:
@@ -224,6 +224,8 @@ class ConfigurationCube:
         budget: the largest feasible quality value.
         evaluate: the user's quality function, or None for the proxy.
         init: leaf index -> previous centroids (warm start).
+        scales: leaf index -> its share of the budget (default 1): the proxy divides each
+            tensor's error by it, so a tensor with scale 0.1 must be 10x more precise.
     """
 
     def __init__(
@@ -237,8 +239,10 @@ class ConfigurationCube:
         budget: float,
         evaluate: Optional[Callable[[dict[str, torch.Tensor]], float]] = None,
         init: Optional[dict[int, torch.Tensor]] = None,
+        scales: Optional[dict[int, float]] = None,
     ) -> None:
         self.trials = trials
+        self.scales = scales or {}
         self.leaves = leaves
         self.embedding = {i for i, t in trials.items() if t.layer_type == "embedding"}
         self.axes: list[tuple] = [
@@ -298,14 +302,13 @@ class ConfigurationCube:
 
     # -- quality and feasibility
     def quality(self, point: Point, metric: str) -> float:
-        """Proxy: the largest Fisher-weighted relative squared error of any tensor; with
-        ``evaluate``: the relative quality loss."""
+        """Proxy: the largest relative squared error (plain or Fisher-weighted) of any
+        tensor; with ``evaluate``: the relative quality loss."""
         key = (point, metric)
         if key not in self._quality:
             if self.evaluate is None:
                 self._quality[key] = max(
-                    self.result(i, point, metric).error / max(trial.total, 1e-300)
-                    for i, trial in self.trials.items()
+                    self.result(i, point, metric).error / self.scales.get(i, 1.0) for i in self.trials
                 )
             else:
                 self._quality[key] = self._evaluated_loss(point, metric)

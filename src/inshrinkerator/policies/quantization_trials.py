@@ -2,10 +2,11 @@
 
 A :class:`WeightTrial` holds one weight tensor's signed sketch keys, their
 histogram, and the same histogram weighted by the quality proxy's element
-weights (a diagonal Fisher estimate when one is known, else 1). For a
+weights (a diagonal Fisher estimate when one is known). For a
 :class:`TrialConfig` it returns the prune / protect thresholds (and element
-masks when a sensitivity score decides), the fitted centroids, the proxy's
-weighted squared error and an estimate of the coded size — without touching
+masks when a sensitivity score decides), the fitted centroids, the proxy (the
+larger of the plain and the Fisher-weighted relative squared error) and an
+estimate of the coded size — without touching
 the elements again when magnitude decides (whole buckets are pruned or
 protected), with one cached pass per prune fraction when sensitivity does. The
 error counts every bucket at its centre plus the spread inside it, so it tracks
@@ -55,9 +56,11 @@ class TrialResult:
     table: LevelTable
     prune_mask: Optional[torch.Tensor]
     protect_mask: Optional[torch.Tensor]
-    error: float  # the proxy's: PRUNE_PENALTY * pruned_error + the rounding error of the rest
+    #: the proxy: the larger of the plain and the Fisher-weighted relative squared error,
+    #: pruned elements counted PRUNE_PENALTY times (and at the mean Fisher weight)
+    error: float
     estimated_bits: float
-    pruned_error: float = 0.0  # sum of w^2 over pruned elements, times the mean proxy weight
+    pruned_error: float = 0.0  # sum of w^2 over the pruned elements
 
 
 def quantile_key(counts: torch.Tensor, fraction: float) -> int:
@@ -106,6 +109,7 @@ class WeightTrial:
             self.mean_weight = 1.0
         self._centres = key_centres()
         self.total = float((self.mass * self._centres**2).sum()) * (1 + _SPREAD)
+        self.total_plain = float((self.counts.double() * self._centres**2).sum()) * (1 + _SPREAD)
         self.magnitude_counts = self.counts[:MAGNITUDE_KEYS] + self.counts[MAGNITUDE_KEYS:]
         self.sensitivity_keys = magnitude_keys(sensitivity) if sensitivity is not None else None
         self.sensitivity_counts = None
@@ -192,8 +196,7 @@ class WeightTrial:
         # Pruned elements are weighted by the tensor's mean proxy weight, not their own: a
         # weight whose gradient is small now (a tiny Fisher estimate) need not stay
         # unimportant, and zeroing many of them at once moves the model coherently.
-        pruned_error = self.mean_weight * float((pruned_counts.double() * self._centres**2).sum()) * (1 + _SPREAD)
-        error = PRUNE_PENALTY * pruned_error
+        pruned_plain = float((pruned_counts.double() * self._centres**2).sum()) * (1 + _SPREAD)
         counts = counts.clamp_min(0)
         if init is None:
             init = self._seeds.get(config.bins)
@@ -209,7 +212,15 @@ class WeightTrial:
         else:
             chosen = torch.zeros_like(centres)
         squared = (centres - chosen) ** 2 + _SPREAD * centres**2
-        error += float((mass[occupied].clamp_min(0) * squared).sum())
+        rounding_plain = float((counts[occupied].double() * squared).sum())
+        rounding_weighted = float((mass[occupied].clamp_min(0) * squared).sum())
+        # Both the plain and the Fisher-weighted relative error must stay small: the
+        # Fisher estimate of a few training steps can be far from what a (pretrained)
+        # model needs everywhere.
+        error = (PRUNE_PENALTY * pruned_plain + rounding_plain) / max(self.total_plain, 1e-300)
+        if self.weights is not None:
+            weighted = (PRUNE_PENALTY * self.mean_weight * pruned_plain + rounding_weighted) / max(self.total, 1e-300)
+            error = max(error, weighted)
         id_counts = torch.bincount(
             nearest_level(centres, centroids.double()) if centroids.numel() else torch.zeros_like(occupied),
             weights=counts[occupied].double(), minlength=max(centroids.numel(), 1),
@@ -219,7 +230,7 @@ class WeightTrial:
         entropy = float(-(probabilities * torch.log2(probabilities)).sum()) * self.numel
         result = TrialResult(
             table, prune_mask, protect_mask, max(error, 0.0), entropy + 16 * protected_count + 32 * table.count,
-            pruned_error,
+            pruned_plain,
         )
         self._cache[cache_key] = result
         return result
