@@ -60,8 +60,9 @@ def test_log_domain_levels_are_positive_and_relative() -> None:
     ids = assign_ids(keys, table.lookup(), table)
     decoded = reconstruct(ids, table, torch.empty(0), torch.float32, (50_000,))
     assert torch.all(decoded[:100] == 0) and torch.all(decoded[100:] > 0)
-    ratio = (decoded[100:] / values[100:]).log2().abs()
-    assert float(ratio.mean()) < 0.5
+    ratio = (decoded[100:] / values[100:]).log2()
+    # Values round up to a level (never more than a bucket's width below the value).
+    assert float(ratio.min()) > -0.03 and float(ratio.mean()) < 1.5
 
 
 def test_non_finite_values_get_the_protect_id_and_come_back() -> None:

@@ -384,8 +384,11 @@ class DynaQuant(Policy):
             else:
                 reference = _usable_reference(tensor, references[index])
                 codec_type = DynaQuantDeltaCodec if reference is not None else DynaQuantCodec
+                # Half the stickiness: a level above the value makes the restored step
+                # smaller, and stickiness lets it stay up to (1 + s) cells above.
                 codec = codec_type(
-                    bins=self.second_moment_bins, prune=0.0, protect=0.0, domain=LOG, stickiness=self.stickiness
+                    bins=self.second_moment_bins, prune=0.0, protect=0.0, domain=LOG,
+                    sigma=0.5, stickiness=self.stickiness / 2,
                 )
                 extra = {}
                 bins = self.second_moment_bins
