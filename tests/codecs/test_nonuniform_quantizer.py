@@ -61,8 +61,9 @@ def test_log_domain_levels_are_positive_and_relative() -> None:
     decoded = reconstruct(ids, table, torch.empty(0), torch.float32, (50_000,))
     assert torch.all(decoded[:100] == 0) and torch.all(decoded[100:] > 0)
     ratio = (decoded[100:] / values[100:]).log2()
-    # Values round up to a level (never more than a bucket's width below the value).
-    assert float(ratio.min()) > -0.03 and float(ratio.mean()) < 1.5
+    assert abs(float(ratio.mean())) < 0.3 and float(ratio.abs().mean()) < 1.0
+    top = values[100:] > values[100:].quantile(0.999)
+    assert float(ratio[top].min()) > -2.0  # the top level reaches the largest bucket
 
 
 def test_non_finite_values_get_the_protect_id_and_come_back() -> None:

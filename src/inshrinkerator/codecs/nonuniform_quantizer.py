@@ -8,8 +8,8 @@ Every element gets an integer *bucket id* from a :class:`LevelTable`:
 * the rest get the nearest *centroid*; the centroids come from weighted k-means
   over the tensor's log-histogram sketch (:mod:`.log_sketch`,
   :mod:`.weighted_kmeans`), in the linear domain, or in the log2 domain for
-  positive tensors such as Adam's second moment (levels then stay positive, the
-  error is relative, and values round *up* to a level).
+  positive tensors such as Adam's second moment (levels then stay positive and
+  the error is relative).
 
 The table maps every sketch key to an id: the nearest centroid of the key's
 bucket centre, except that magnitudes below ``prune_below`` (a magnitude key)
@@ -112,17 +112,18 @@ class LevelTable:
         return torch.cat([self.values[: self.zero_index], self.values[self.zero_index + 1 :]])
 
     def boundaries(self) -> torch.Tensor:
-        """Float64 decision boundaries between consecutive centroids.
+        """Float64 decision boundaries between consecutive centroids (nearest level).
 
-        Linear domain: arithmetic midpoints (nearest level). Log domain: the centroids
-        themselves, so a value takes the smallest level at or above it (rounding up: a
-        restored second moment is never smaller than the true one, so no restored Adam
-        step is larger than it would have been). Every device computes the same bits.
+        Linear domain: arithmetic midpoints; log domain: geometric midpoints. Both are
+        correctly rounded IEEE operations, so every device computes the same bits.
+        (Rounding a second moment *up* was tried: it ratchets upwards restore after
+        restore and slows training down; nearest levels are unbiased in log2.)
         """
         centroids = self.centroids().double()
+        low, high = centroids[:-1], centroids[1:]
         if self.domain == LOG:
-            return centroids[:-1]
-        return (centroids[:-1] + centroids[1:]) / 2
+            return torch.sqrt(low * high)
+        return (low + high) / 2
 
     def lookup(self, device: Optional[torch.device] = None) -> torch.Tensor:
         """Signed key -> id (length ``SIGNED_KEYS``, :func:`id_dtype`)."""
@@ -187,8 +188,8 @@ def fit_centroids(
         occupied = torch.full_like(centres, 1.0 / centres.numel())
         weights = sigma * counts.double() / counts.sum() + (1.0 - sigma) * occupied
         centroids = torch.exp2(weighted_kmeans_1d(torch.log2(centres), weights, bins, init=start))
-        # Values round up to a level (see LevelTable.boundaries): the top level must
-        # cover the largest bucket.
+        # The largest values are the most active parameters: the top level reaches the
+        # largest bucket, so none of them is underestimated by more than half a cell.
         centroids[-1] = torch.maximum(centroids[-1], centres.max())
     else:
         weights = histogram_sample_weights(centres, counts, sigma)
@@ -229,11 +230,9 @@ def assign_ids(
 def sticky_bounds(table: LevelTable, stickiness: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Per id, the value interval in which an element keeps that (predicted) id.
 
-    Linear domain: a centroid level's interval reaches ``(1 + stickiness)`` half-cells
-    past its own cell on each side. Log domain (round-up levels): from
-    ``(1 + stickiness)`` cells below the level (measured in log2) up to the level itself.
-    The zero level and the protect id get empty intervals (prune and protect decisions
-    are never overridden).
+    A centroid level's interval reaches ``(1 + stickiness)`` half-cells past its own cell
+    on each side (measured in log2 in the log domain). The zero level and the protect id
+    get empty intervals (prune and protect decisions are never overridden).
     """
     centroids = table.centroids().double()
     count = centroids.numel()
@@ -246,13 +245,10 @@ def sticky_bounds(table: LevelTable, stickiness: float) -> tuple[torch.Tensor, t
     inf = torch.tensor([float("inf")], dtype=torch.float64)
     below = torch.cat([-inf, position[:-1]])
     above = torch.cat([position[1:], inf])
+    lower = position - reach * (position - below) / 2
+    upper = position + reach * (above - position) / 2
     if table.domain == LOG:
-        # Round-up levels: keep a level while it stays above the value, and not more
-        # than (1 + stickiness) cells above it.
-        lower, upper = torch.exp2(position - reach * (position - below)), centroids
-    else:
-        lower = position - reach * (position - below) / 2
-        upper = position + reach * (above - position) / 2
+        lower, upper = torch.exp2(lower), torch.exp2(upper)
     ids = torch.arange(table.count - 2)
     ids = ids + (ids >= table.zero_index).long()
     low[ids], high[ids] = lower, upper

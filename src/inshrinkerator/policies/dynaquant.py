@@ -25,7 +25,9 @@ Per checkpoint:
    ``moment_bins`` levels for what is kept; coded without a reference (moments
    decorrelate between saves).
 3. **Second moments** (``exp_avg_sq``): ``second_moment_bins`` positive levels fitted in
-   the log2 domain (exact zeros stay zero), delta-coded like the weights; or, with
+   the log2 domain (exact zeros stay zero; the largest 0.5% kept in bf16: they are the
+   most active parameters, whose restored steps must not grow), delta-coded like the
+   weights; or, with
    ``second_moment="factored"``, the row and column means of each matrix (Adafactor's
    estimate, :class:`~inshrinkerator.codecs.FactoredMomentCodec`).
 4. Everything else — step counters, ``param_groups``, integer tensors, buffers,
@@ -63,6 +65,8 @@ __all__ = ["DynaQuant", "PROXY_SCALE", "SearchRecord"]
 PROXY_SCALE = 1.0
 
 _FIRST_ORDER = (TensorRole.FIRST_MOMENT, TensorRole.MOMENTUM_BUFFER)
+#: Fraction of each second moment (its largest entries) kept in 16 bits.
+SECOND_MOMENT_PROTECT = 0.005
 
 
 @dataclass
@@ -384,10 +388,12 @@ class DynaQuant(Policy):
             else:
                 reference = _usable_reference(tensor, references[index])
                 codec_type = DynaQuantDeltaCodec if reference is not None else DynaQuantCodec
-                # Half the stickiness: a level above the value makes the restored step
-                # smaller, and stickiness lets it stay up to (1 + s) cells above.
+                # The largest entries are the most active parameters: a level below their
+                # value would make their restored steps too large, so they are protected.
+                # Half the stickiness: a second moment held above its value slows those
+                # parameters down until it is replaced.
                 codec = codec_type(
-                    bins=self.second_moment_bins, prune=0.0, protect=0.0, domain=LOG,
+                    bins=self.second_moment_bins, prune=0.0, protect=SECOND_MOMENT_PROTECT, domain=LOG,
                     sigma=0.5, stickiness=self.stickiness / 2,
                 )
                 extra = {}
