@@ -62,8 +62,8 @@ def test_log_domain_levels_are_positive_and_relative() -> None:
     assert torch.all(decoded[:100] == 0) and torch.all(decoded[100:] > 0)
     ratio = (decoded[100:] / values[100:]).log2()
     assert abs(float(ratio.mean())) < 0.3 and float(ratio.abs().mean()) < 1.0
-    top = values[100:] > values[100:].quantile(0.999)
-    assert float(ratio[top].min()) > -2.0  # the top level reaches the largest bucket
+    largest = int(values.argmax())
+    assert abs(float((decoded[largest] / values[largest]).log2())) < 0.03  # the top level reaches it
 
 
 def test_non_finite_values_get_the_protect_id_and_come_back() -> None:
