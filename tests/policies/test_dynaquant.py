@@ -201,3 +201,23 @@ def test_first_moments_keep_the_steadiest_entries(tmp_path) -> None:
     ink.save(sgd, tmp_path / "s.ink", policy=DynaQuant(momentum_keep=0.3))
     buffer = ink.load(tmp_path / "s.ink")["optimizer"]["state"][2]["momentum_buffer"]
     assert 0.25 < float((buffer != 0).float().mean()) < 0.35
+
+
+def test_frozen_weights_get_the_tighter_budget() -> None:
+    model, _ = _states(1)
+    model[0].weight.requires_grad_(False)
+    policy = DynaQuant(tolerance=0.01, frozen_tolerance=0.0001)
+    policy.watch(model)
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], 1e-3)
+    _train(model, optimizer, 2, start=50)
+    flat = flatten({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+    from inshrinkerator.policies.state_layout import TensorRole, layout_of
+
+    layout = layout_of(flat.tensors)
+    weights = [i for i in layout.indices(TensorRole.WEIGHT) if flat.tensors[i].tensor.numel() >= policy.min_numel]
+    frozen = policy._frozen(flat.tensors, layout, weights)
+    assert [format_key_path(flat.tensors[i].path) for i in frozen] == []  # conv weight is small
+    model[3].weight.requires_grad_(False)
+    policy.watch(model)
+    frozen = policy._frozen(flat.tensors, layout, weights)
+    assert [format_key_path(flat.tensors[i].path) for i in frozen] == ["model/3.weight"]

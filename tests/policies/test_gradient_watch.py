@@ -68,3 +68,13 @@ def test_bad_arguments() -> None:
         GradientWatch(beta=0.0)
     with pytest.raises(TypeError):
         GradientWatch().attach("not a model")  # type: ignore[arg-type]
+
+
+def test_trains_tells_trainable_parameters_from_frozen_ones() -> None:
+    model = _model()
+    model[0].weight.requires_grad_(False)
+    watch = GradientWatch()
+    watch.attach(model)
+    state = model.state_dict()
+    assert not watch.trains(TensorLeaf(("0.weight",), state["0.weight"]))
+    assert watch.trains(TensorLeaf(("2.weight",), state["2.weight"]))

@@ -282,6 +282,19 @@ class DynaQuant(Policy):
             trial = WeightTrial(leaf.tensor, layer_type, None, sensitivity, self.sigma)
         return trial
 
+    def _frozen(self, leaves: Sequence[TensorLeaf], layout: StateLayout, indices: list[int]) -> list[int]:
+        """The weights that training does not change: those a watched model does not train
+        (``requires_grad`` off), else those without optimizer state when the state pairs
+        optimizer entries with weights at all (a bare model: every weight)."""
+        watch = self._memory.watch
+        if watch.watching:
+            return [i for i in indices if not watch.trains(leaves[i])]
+        paired = any(layout.parameter_of)
+        has_optimizer = any(role is not TensorRole.WEIGHT and role is not TensorRole.OTHER for role in layout.roles)
+        if has_optimizer and not paired:
+            return []  # optimizer entries could not be matched to weights: assume all train
+        return [i for i in indices if not layout.optimizer_state_of(i)]
+
     def _plan_weights(
         self,
         leaves: Sequence[TensorLeaf],
@@ -306,11 +319,8 @@ class DynaQuant(Policy):
             inflation = self._memory.inflation or 1.0 + 1.3 * self.stickiness
         # Weights without optimizer state are frozen (or the state is a bare model): their
         # error is never trained away, so they get the tighter budget.
-        scales = {
-            i: min(self.frozen_tolerance / self.tolerance, 1.0)
-            for i in indices
-            if not layout.optimizer_state_of(i)
-        }
+        frozen = self._frozen(leaves, layout, indices)
+        scales = {i: min(self.frozen_tolerance / self.tolerance, 1.0) for i in frozen}
         cube = ConfigurationCube(
             trials, leaves, self.bins, self.embedding_bins, self.prune, self.protect, budget / inflation,
             self.evaluate, init, scales,

@@ -133,6 +133,10 @@ class GradientWatch:
                 by_name = entry
         return by_name
 
+    def trains(self, leaf: TensorLeaf) -> bool:
+        """Whether ``leaf`` holds a trainable parameter of the watched model."""
+        return self._find(leaf) is not None
+
     def gradient_average(self, leaf: TensorLeaf) -> Optional[torch.Tensor]:
         """The gradient average of the parameter ``leaf`` holds, or ``None`` (not watched / no step yet)."""
         entry = self._find(leaf)
