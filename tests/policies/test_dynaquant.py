@@ -197,6 +197,8 @@ def test_first_moments_keep_the_steadiest_entries(tmp_path) -> None:
     assert 0.07 < float(kept.float().mean()) < 0.13
     score = m.abs() / (v.sqrt() + 1e-8)
     assert float(score[kept].min()) >= 0.95 * float(score[~kept].max())
+    ink.save(state, tmp_path / "all.ink", policy=DynaQuant())
+    assert float((ink.load(tmp_path / "all.ink")["optimizer"]["state"][2]["exp_avg"] != 0).float().mean()) > 0.9
     sgd = _states(1, optimizer="sgd")[1][0]
     ink.save(sgd, tmp_path / "s.ink", policy=DynaQuant(momentum_keep=0.3))
     buffer = ink.load(tmp_path / "s.ink")["optimizer"]["state"][2]["momentum_buffer"]
