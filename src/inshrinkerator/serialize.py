@@ -7,17 +7,17 @@ references.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, Any, Optional
 
 import torch
 
-from .codecs.base import TensorSpec
+from .codecs.base import Codec, TensorSpec
 from .container import ContainerReader, ContainerWriter
 from .errors import BrokenChainError, FormatError
-from .policies import Policy
-from .tree import flatten, format_key_path, tensor_paths, unflatten
+from .policies import Lossless, Policy
+from .tree import TensorLeaf, flatten, format_key_path, tensor_paths, unflatten
 
 __all__ = ["WrittenState", "write_state", "read_state", "reference_map", "ProgressCallback"]
 
@@ -60,7 +60,7 @@ def write_state(
     flat = flatten(state)
     keys = [format_key_path(leaf.path) for leaf in flat.tensors]
     refs = [references.get(key) if references else None for key in keys]
-    codecs = policy.plan(flat.tensors, refs)
+    codecs = _exact_where_not_finite(flat.tensors, refs, policy.plan(flat.tensors, refs))
     writer = ContainerWriter()
     total = sum(leaf.tensor.numel() * leaf.tensor.element_size() for leaf in flat.tensors)
     raw_bytes = 0
@@ -88,6 +88,25 @@ def write_state(
     finally:
         writer.close()
     return WrittenState(raw_bytes, stored, used_reference, reconstruction)
+
+
+def _exact_where_not_finite(
+    leaves: Sequence[TensorLeaf], references: Sequence[Optional[torch.Tensor]], codecs: Sequence[Codec]
+) -> list[Codec]:
+    """Lossless codecs for the tensors holding NaN or +-inf that a policy planned lossily.
+
+    Quantizers cannot keep a NaN's sign and payload, and a non-finite value usually means
+    the run diverged: such a tensor is worth more exact than small. Applies to every policy.
+    """
+    exact = Lossless()
+    planned = list(codecs)
+    for index, (leaf, codec) in enumerate(zip(leaves, planned)):
+        tensor = leaf.tensor
+        if codec.lossless or not tensor.is_floating_point() or tensor.numel() == 0:
+            continue
+        if not bool(torch.isfinite(tensor).all()):
+            planned[index] = exact.plan([leaf], [references[index]])[0]
+    return planned
 
 
 def read_state(

@@ -3,12 +3,9 @@ that require grad, key paths that collide. Each is stored exactly, stored within
 policy's contract, or refused with ``UnsupportedStateError`` naming the key path, with
 nothing written.
 
-What each registered policy does with NaN and infinities (docs/guarantees.md): lossless and
-the baselines (lc-checkpoint, excp, cnr, qd) store a tensor holding any of them exactly, bit
-for bit. dynaquant quantizes such tensors like any other: in weights and second moments the
-non-finite values come back at their positions (infinities exactly, a NaN as a NaN of another
-sign/payload), but a NaN in a first moment (Adam ``exp_avg``) comes back as 0.0. Both are
-marked xfail below and reported to the policy's owners.
+NaN and infinities (docs/guarantees.md): every registered policy stores a tensor holding any
+of them exactly, bit for bit (``write_state`` swaps a lossy codec for the lossless one on such
+a tensor), in full checkpoints and along a chain of deltas.
 """
 
 from __future__ import annotations
@@ -112,19 +109,7 @@ def lossy_tensors(saved: Any, loaded: Any) -> list[str]:
     return [key for key in originals if not torch.equal(_bits(originals[key]), _bits(restored[key]))]
 
 
-#: What dynaquant is known to break (see the module docstring).
-DYNAQUANT_FIRST_MOMENT_NAN = pytest.mark.xfail(
-    strict=False, reason="dynaquant's first-moment quantizer (momentum pruning) turns a NaN in exp_avg into 0.0")
-DYNAQUANT_NAN_BITS = pytest.mark.xfail(
-    strict=False, reason="dynaquant quantizes tensors holding NaN; a NaN comes back as a NaN of another "
-    "sign/payload (0x7fc00000 -> 0xffff0000: it passes through bfloat16)")
-
-
-def _marked(names: list[str], mark: Any) -> list[Any]:
-    return [pytest.param(name, marks=mark) if name == "dynaquant" else name for name in names]
-
-
-@pytest.mark.parametrize("policy", _marked(list(POLICY_NAMES), DYNAQUANT_FIRST_MOMENT_NAN))
+@pytest.mark.parametrize("policy", list(POLICY_NAMES))
 def test_non_finite_values_survive_every_policy_in_a_file(policy: str, tmp_path: Path) -> None:
     state = training_state()
     ink.save(state, tmp_path / "s.ink", policy=policy)
@@ -142,7 +127,7 @@ def test_dynaquant_keeps_non_finite_values_outside_first_moments(tmp_path: Path)
     assert set(problems) <= {"/optimizer/state/0/exp_avg"}, problems
 
 
-@pytest.mark.parametrize("policy", _marked(LOSSY, DYNAQUANT_NAN_BITS))
+@pytest.mark.parametrize("policy", LOSSY)
 def test_nan_bits_survive_lossy_policies(policy: str, tmp_path: Path) -> None:
     state = training_state()
     ink.save(state, tmp_path / "s.ink", policy=policy)
@@ -160,7 +145,7 @@ def _saved_chain(policy: str, folder: Path) -> dict[int, Any]:
         return {step: manager.load(step) for step in CHAIN}
 
 
-@pytest.mark.parametrize("policy", _marked(list(POLICY_NAMES), DYNAQUANT_FIRST_MOMENT_NAN))
+@pytest.mark.parametrize("policy", list(POLICY_NAMES))
 def test_non_finite_values_through_a_chain_of_deltas(policy: str, tmp_path: Path) -> None:
     """Deltas against a reconstruction holding NaN, and from one, stay sound."""
     for step, loaded in _saved_chain(policy, tmp_path / "run").items():
