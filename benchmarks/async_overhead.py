@@ -1,0 +1,114 @@
+"""How much of a training run does checkpointing with ``async_save=True`` block?
+
+Target (issue 5): with ``async_save``, the time the training loop is blocked by the default
+policy (DynaQuant) is at most 1 % of the training time.
+
+Each workload of the yardstick trains its full schedule once, checkpointing every
+``checkpoint_every`` steps through ``CheckpointManager(run, async_save=True)`` with the
+default policy and a watched model (as the benchmark does). Measured:
+
+- **blocked**: the time spent inside ``save`` (the snapshot; when the previous save is
+  still running, also the wait for it) plus the final ``wait()`` for the last save;
+- **training**: the time spent in training steps. Compression runs on the other core
+  meanwhile and competes with training for the CPU, so the same schedule is also trained
+  without any checkpointing and the slowdown is reported next to it (interleaved order).
+
+Run: ``python benchmarks/async_overhead.py [--workload digits-cnn ...] [--out FILE]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from inshrinkerator.bench.recovery import torch_threads
+from inshrinkerator.bench.workloads import WORKLOADS, make_workload
+from inshrinkerator.store import CheckpointManager
+
+DEFAULT_WORKLOADS = ("digits-cnn", "stdlib-char-gpt", "minilm-docstrings")
+
+
+def train(name: str, seed: int, checkpoint: bool) -> dict[str, Any]:
+    """One uninterrupted run; with ``checkpoint``, async saves every interval."""
+    workload = make_workload(name, seed)
+    workload.build()
+    size = workload.size
+    train_seconds = blocked_seconds = wait_seconds = 0.0
+    saves = 0
+    with tempfile.TemporaryDirectory() as folder:
+        manager = CheckpointManager(folder, async_save=True) if checkpoint else None
+        if manager is not None:
+            manager.watch(workload.model)
+        try:
+            for step in range(size.total_steps):
+                started = time.perf_counter()
+                workload.train_step(step)
+                train_seconds += time.perf_counter() - started
+                if manager is not None and (step + 1) % size.checkpoint_every == 0:
+                    state = {"step": step + 1, **workload.state()}
+                    started = time.perf_counter()
+                    manager.save(step + 1, state)
+                    blocked_seconds += time.perf_counter() - started
+                    saves += 1
+            if manager is not None:
+                started = time.perf_counter()
+                manager.wait()
+                wait_seconds = time.perf_counter() - started
+        finally:
+            if manager is not None:
+                manager.close()
+    return {
+        "train_seconds": train_seconds,
+        "blocked_in_save_seconds": blocked_seconds,
+        "final_wait_seconds": wait_seconds,
+        "saves": saves,
+        "metric": workload.evaluate().value,
+    }
+
+
+def measure(name: str, seed: int) -> dict[str, Any]:
+    plain = train(name, seed, checkpoint=False)
+    saving = train(name, seed, checkpoint=True)
+    blocked = saving["blocked_in_save_seconds"] + saving["final_wait_seconds"]
+    return {
+        "workload": name,
+        "seed": seed,
+        "without_checkpoints": plain,
+        "async_dynaquant": saving,
+        "blocked_pct_of_training": 100.0 * blocked / saving["train_seconds"],
+        "blocked_in_save_pct": 100.0 * saving["blocked_in_save_seconds"] / saving["train_seconds"],
+        "training_slowdown_pct": 100.0 * (saving["train_seconds"] / plain["train_seconds"] - 1.0),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", action="append", choices=sorted(WORKLOADS), default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "async_overhead.json")
+    args = parser.parse_args()
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    rows = []
+    with torch_threads(1):
+        for name in args.workload or DEFAULT_WORKLOADS:
+            row = measure(name, args.seed)
+            rows.append(row)
+            saving = row["async_dynaquant"]
+            print(
+                f"{name}: blocked {row['blocked_pct_of_training']:.2f} % of training "
+                f"(in save {saving['blocked_in_save_seconds']:.2f} s + final wait "
+                f"{saving['final_wait_seconds']:.2f} s over {saving['train_seconds']:.1f} s, "
+                f"{saving['saves']} saves); training slowdown {row['training_slowdown_pct']:+.1f} %",
+                flush=True,
+            )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"commit": commit, "rows": rows}, indent=1), encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()
