@@ -70,7 +70,10 @@ def write_state(
         for leaf, key, codec, reference in zip(flat.tensors, keys, codecs, refs):
             tensor = leaf.tensor
             raw_bytes += tensor.numel() * tensor.element_size()
-            encoded = codec.encode(tensor, reference if codec.uses_reference else None)
+            # A codec that can produce its streams one at a time (encode_lazily) hands them
+            # to the writer as they are made: a huge tensor never has all its output in memory.
+            encode = getattr(codec, "encode_lazily", codec.encode)
+            encoded = encode(tensor, reference if codec.uses_reference else None)
             used_reference |= codec.uses_reference
             writer.add(
                 TensorSpec.of(tensor),

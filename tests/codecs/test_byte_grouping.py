@@ -319,3 +319,127 @@ def test_malformed_plane_pairs_are_corruption(damage):
         pieces[1] = b"\0\0"
     with pytest.raises(CorruptCheckpointError):
         _decode(_stream(modes, pieces), params, spec)
+
+
+# --- tensors larger than a slice: one stream per slice ----------------------------------
+
+# 8 KiB slices: a few thousand elements already span several slices (and chunks per slice).
+SLICED = ByteGroupingCodec(chunk_bytes=4096, slice_bytes=8192)
+
+
+@pytest.mark.parametrize("dtype", [*ALL_DTYPES, torch.complex64, torch.complex128], ids=str)
+def test_tensors_larger_than_a_slice_round_trip_with_one_stream_per_slice(dtype):
+    tensor = make_tensor(dtype, (45, 401), seed=11) if not dtype.is_complex else torch.randn(45, 401, dtype=dtype)
+    encoded = SLICED.encode(tensor)
+    lanes = tensor.numel() * (2 if dtype.is_complex else 1)
+    assert set(encoded.params) == {"chunk", "slice"}
+    assert len(encoded.streams) == -(-lanes // encoded.params["slice"]) > 1
+    assert encoded.params["slice"] % encoded.params["chunk"] == 0
+    assert_same(check_codec_roundtrip(SLICED, tensor), tensor)
+
+
+def test_sliced_views_and_non_contiguous_tensors_round_trip():
+    base = make_tensor(torch.float32, (180, 120), seed=12)
+    for view in (base.t(), base[::2, 1::3], base[5:80], torch.randn(60, 70, dtype=torch.complex64).conj()):
+        assert len(SLICED.encode(view).streams) > 1
+        assert_same(check_codec_roundtrip(SLICED, view), view.resolve_conj().contiguous())
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    dtype=st.sampled_from(ALL_DTYPES),
+    data=st.binary(min_size=0, max_size=30000),
+    slice_bytes=st.sampled_from([1, 4096, 8192, 12288]),
+)
+def test_any_bit_pattern_round_trips_in_slices(dtype, data, slice_bytes):
+    usable = len(data) - len(data) % dtype.itemsize
+    if dtype == torch.bool:
+        tensor = (torch.tensor(list(data[:usable]), dtype=torch.uint8) % 2).to(torch.bool)
+    else:
+        tensor = torch.frombuffer(bytearray(data[:usable]), dtype=torch.uint8).view(dtype) if usable else torch.empty(0, dtype=dtype)
+    codec = ByteGroupingCodec(chunk_bytes=4096, slice_bytes=slice_bytes)
+    assert _bits(check_codec_roundtrip(codec, tensor)) == _bits(tensor)
+
+
+def test_slices_hold_the_same_pieces_as_one_stream():
+    """Slicing changes where pieces are indexed, not how they are coded: same compression."""
+    tensor = torch.randn(40_000) * 0.02
+    whole = ByteGroupingCodec(chunk_bytes=4096, slice_bytes=1 << 30).encode(tensor)
+    sliced = ByteGroupingCodec(chunk_bytes=4096, slice_bytes=16384).encode(tensor)
+    assert whole.params == {"chunk": sliced.params["chunk"]} and len(whole.streams) == 1
+    whole_modes, whole_pieces = _pieces(bytes(whole.streams[0]))
+    modes, pieces = [], []
+    for stream in sliced.streams:
+        stream_modes, stream_pieces = _pieces(bytes(stream))
+        modes += stream_modes
+        pieces += stream_pieces
+    assert (modes, pieces) == (whole_modes, whole_pieces)
+    extra = sum(len(bytes(s)) for s in sliced.streams) - len(bytes(whole.streams[0]))
+    assert extra == 4 * (len(sliced.streams) - 1)  # one more piece count per stream
+
+
+def test_lazy_streams_are_encoded_one_at_a_time_and_match_the_eager_ones(monkeypatch):
+    import inshrinkerator.codecs.byte_grouping as module
+
+    tensor = torch.randn(30_000)
+    eager = SLICED.encode(tensor)
+    lazy = SLICED.encode_lazily(tensor)
+    assert isinstance(lazy.streams, module.SliceStreams) and lazy.params == eager.params
+    made = []
+    original = module._encode_rows
+    monkeypatch.setattr(module, "_encode_rows", lambda rows, *rest: made.append(rows.shape[0]) or original(rows, *rest))
+    for index, stream in enumerate(lazy.streams):
+        assert len(made) == index + 1  # nothing is encoded ahead of the consumer
+        assert bytes(stream) == bytes(eager.streams[index])
+    assert sum(made) == tensor.numel() and len(lazy.streams) == len(eager.streams)
+    assert bytes(lazy.streams[-1]) == bytes(eager.streams[-1])
+    assert [bytes(s) for s in lazy.streams[1:3]] == [bytes(s) for s in eager.streams[1:3]]
+    small = torch.randn(100)
+    assert isinstance(SLICED.encode_lazily(small).streams, list)  # within one slice: eager
+
+
+def test_slice_bytes_is_not_part_of_the_config():
+    assert SLICED.get_config() == ByteGroupingCodec(chunk_bytes=4096).get_config()
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError):
+            ByteGroupingCodec(slice_bytes=bad)
+
+
+@pytest.fixture(scope="module")
+def sliced_sample() -> tuple[list[bytes], dict, TensorSpec]:
+    tensor = make_tensor(torch.float32, (5000,), seed=13)
+    encoded = SLICED.encode(tensor)
+    return [bytes(s) for s in encoded.streams], encoded.params, TensorSpec.of(tensor)
+
+
+@pytest.mark.parametrize("bad", [0, -1, "2000", True, 1.5, None, 1 << 63], ids=repr)
+def test_a_bad_slice_param_is_a_format_error(sliced_sample, bad):
+    streams, params, spec = sliced_sample
+    with pytest.raises(FormatError) as info:
+        SLICED.decode(streams, {**params, "slice": bad}, spec)
+    assert not isinstance(info.value, CorruptCheckpointError)
+
+
+def test_sliced_streams_that_do_not_fit_are_refused(sliced_sample):
+    streams, params, spec = sliced_sample
+    assert len(streams) == 3
+    for wrong in (streams[:-1], streams + streams[:1], [], [b"".join(streams)]):
+        with pytest.raises(FormatError):
+            SLICED.decode(wrong, params, spec)
+    with pytest.raises(FormatError):  # a hostile slice of one element: refused at once
+        SLICED.decode(streams, {**params, "slice": 1}, TensorSpec(torch.float32, (1 << 40,)))
+    with pytest.raises(CorruptCheckpointError):  # the last (short) slice's stream swapped in
+        SLICED.decode([streams[2], streams[1], streams[0]], params, spec)
+    with pytest.raises(CorruptCheckpointError):
+        SLICED.decode([streams[0], streams[1][:-3], streams[2]], params, spec)
+    with pytest.raises(FormatError):  # a sliced file read as a one-stream one
+        SLICED.decode(streams, {"chunk": params["chunk"]}, spec)
+
+
+def test_old_and_sliced_goldens_are_both_pinned():
+    names = {path.stem for path in _golden_files()}
+    assert {"byte_grouping_float32", "byte_grouping_float32_sliced", "byte_grouping_complex64_sliced"} <= names
+    for path in _golden_files():
+        doc = json.loads(path.read_text())
+        assert ("slice" in doc["params"]) == path.stem.endswith("_sliced")
+        assert (len(doc["streams"]) > 1) == path.stem.endswith("_sliced")

@@ -79,3 +79,64 @@ def test_streams_may_be_any_buffer() -> None:
     data = write_streams([streams])
     with ContainerReader(io.BytesIO(data), "x") as reader:
         assert reader.read_streams(reader.header.tensors[0]) == [b"ab", b"cd", b"efgh"]
+
+
+def test_lazy_streams_are_written_one_at_a_time() -> None:
+    """Each stream is in the spool, and no longer referenced, before the next one is made."""
+    import gc
+    import weakref
+
+    import numpy as np
+
+    writer = ContainerWriter()
+    made: list[weakref.ref] = []
+
+    def streams():
+        for index in range(4):
+            if made:
+                gc.collect()
+                assert made[-1]() is None, "the previous stream is still held"
+                assert writer._cursor > 0
+            stream = np.full(1000 + index, index, dtype=np.uint8)
+            made.append(weakref.ref(stream))
+            yield stream
+            del stream  # the generator's own reference
+
+    writer.add(TensorSpec(torch.uint8, (4006,)), RAW, Encoded(streams=streams()))  # type: ignore[arg-type]
+    out = io.BytesIO()
+    writer.finish(out, {"t": 0}, {})
+    with ContainerReader(io.BytesIO(out.getvalue()), "x") as reader:
+        assert [len(s) for s in reader.read_streams(reader.header.tensors[0])] == [1000, 1001, 1002, 1003]
+
+
+def test_a_stream_that_fails_midway_leaves_nothing_of_its_tensor() -> None:
+    def failing():
+        yield b"x" * 5000
+        raise OSError("encoder failed")
+
+    writer = ContainerWriter()
+    writer.add(TensorSpec(torch.uint8, (3,)), RAW, Encoded(streams=[b"abc"]))
+    with pytest.raises(OSError, match="encoder failed"):
+        writer.add(TensorSpec(torch.uint8, (5000,)), RAW, Encoded(streams=failing()))  # type: ignore[arg-type]
+    with pytest.raises(Exception, match="reader would reject"):  # written, then refused: rolled back too
+        writer.add(TensorSpec(torch.uint8, (1 << 40,)), RAW, Encoded(streams=[b"y" * 100]))
+    writer.add(TensorSpec(torch.uint8, (2,)), RAW, Encoded(streams=[b"de"]))
+    out = io.BytesIO()
+    writer.finish(out, {"l": [{"t": 0}, {"t": 1}]}, {})
+    with ContainerReader(io.BytesIO(out.getvalue()), "x") as reader:
+        assert [reader.read_streams(r) for r in reader.header.tensors] == [[b"abc"], [b"de"]]
+
+
+def test_a_tensor_coded_in_slices_round_trips_through_a_file() -> None:
+    from inshrinkerator.codecs import ByteGroupingCodec
+
+    codec = ByteGroupingCodec(chunk_bytes=4096, slice_bytes=16384)
+    tensor = torch.randn(70, 300)
+    writer = ContainerWriter()
+    writer.add(TensorSpec.of(tensor), codec.get_config(), codec.encode_lazily(tensor))
+    out = io.BytesIO()
+    writer.finish(out, {"t": 0}, {})
+    with ContainerReader(io.BytesIO(out.getvalue()), "x") as reader:
+        record = reader.header.tensors[0]
+        assert len(record.sections) == -(-tensor.numel() // record.params["slice"]) > 1
+        assert torch.equal(reader.decode(record), tensor)

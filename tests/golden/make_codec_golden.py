@@ -89,6 +89,12 @@ def main() -> None:
     _write("byte_grouping_float32_level3", ByteGroupingCodec(level=3, chunk_bytes=4096),
            _sample(torch.float32, (1500,), seed=22))
     _write("byte_grouping_int64_zeros", grouping, torch.zeros(3000, dtype=torch.int64))
+    # tensors larger than a slice: one stream per slice (params {"chunk", "slice"})
+    sliced = ByteGroupingCodec(chunk_bytes=4096, slice_bytes=8192)
+    _write("byte_grouping_float32_sliced", sliced, _sample(torch.float32, (50, 100), seed=25))
+    _write("byte_grouping_bfloat16_sliced", sliced, _sample(torch.bfloat16, (9000,), seed=26))
+    _write("byte_grouping_complex64_sliced", sliced, _sample(torch.complex64, (2100,), seed=27))
+    _write("byte_grouping_int64_sliced", sliced, _sample(torch.int64, (3000,), seed=28))
     _write("raw_float32", RawCodec(), _sample(torch.float32, (7, 3), seed=30))
     _write("raw_bool", RawCodec(), _sample(torch.bool, (13,), seed=31))
     base = _sample(torch.float32, (30, 40), seed=40)

@@ -21,7 +21,15 @@ Each plane of each chunk is stored one of two ways, chosen from a sample of it:
 Chunks are coded in parallel. Byte planes are a byte-level layout of CPU buffers
 handed to zstd, so they are built with numpy at this I/O edge.
 
-Stream layout (one stream per tensor, all integers little-endian)::
+A tensor larger than a *slice* (``slice_bytes``, 32 MiB by default) is coded one slice
+of elements at a time, one stream per slice, so encoding holds one slice's output, not
+the whole tensor's: :meth:`ByteGroupingCodec.encode_lazily` returns streams that are
+encoded as they are iterated (the container writer writes each one as it comes), and
+decoding fills the output slice by slice.
+
+Stream layout (all integers little-endian); a stream covers one slice of elements (the
+whole tensor when there is one stream), cut into chunks of ``chunk`` elements from its
+start::
 
     u32 piece_count                      chunks x planes, chunk-major, plane 0 = lowest byte
     piece_count x u8   mode              0 = raw plane bytes, 1 = one zstd frame,
@@ -31,14 +39,17 @@ Stream layout (one stream per tensor, all integers little-endian)::
     piece_count x u32  stored size
     the pieces, back to back
 
-Params: ``{"chunk": elements per chunk}``.
+Params: ``{"chunk": elements per chunk}``: one stream for the whole tensor (every tensor
+of at most one slice, and every file written before slices existed); or
+``{"chunk": c, "slice": s}``: ``ceil(elements / s)`` streams, stream ``i`` holding
+elements ``[i*s, (i+1)*s)``. (Elements count complex numbers as two floats.)
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
-from typing import Any, Optional
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Optional, Union, overload
 
 import numpy as np
 import torch
@@ -50,7 +61,7 @@ from .entropy import byte_entropy_bits, expand_frame, huffman_frame, lz_frame
 from .raw import tensor_byte_view
 from .registry import register_codec
 
-__all__ = ["ByteGroupingCodec", "tensor_byte_rows"]
+__all__ = ["ByteGroupingCodec", "SLICE_BYTES", "SliceStreams", "tensor_byte_rows"]
 
 _ROTATED = {torch.float32, torch.float16, torch.bfloat16, torch.float64}
 # complex numbers are pairs of floats: group them as such
@@ -82,6 +93,11 @@ _LZ_PROBE_GAIN = 0.90
 # Tensors smaller than this are coded in one chunk (thread hand-offs cost more).
 _MIN_PARALLEL_BYTES = 1 << 18
 _MAX_CHUNK_ELEMENTS = 1 << 28
+# Tensor bytes coded (and held, encoded) at a time: the extra memory of encoding a
+# huge tensor is about one slice. 16 chunks of the default size, enough to keep
+# every worker busy between two slices.
+SLICE_BYTES = 32 << 20
+_MAX_SLICE_ELEMENTS = 1 << 62
 
 
 def _lane_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -176,6 +192,54 @@ def _encode_chunk(rows: np.ndarray, is_float: bool, level: Optional[int]) -> lis
     return pieces
 
 
+def _slice_source(tensor: torch.Tensor) -> Callable[[int, int], np.ndarray]:
+    """``rows(start, stop)``: the byte rows of lanes ``[start, stop)`` of ``tensor``.
+
+    A contiguous tensor is sliced first and only the slice is brought to the CPU (no
+    copy at all for a CPU tensor); any other layout is made contiguous on the CPU once.
+    """
+    flat = tensor.detach()
+    if flat.is_contiguous() and not flat.is_conj() and not flat.is_neg():
+        flat = flat.reshape(-1)
+        if flat.dtype.is_complex:
+            flat = torch.view_as_real(flat).reshape(-1)
+        return lambda start, stop: tensor_byte_rows(flat[start:stop])
+    rows = tensor_byte_rows(tensor)
+    return lambda start, stop: rows[start:stop]
+
+
+class SliceStreams(Sequence[np.ndarray]):
+    """The streams of a tensor coded slice by slice, each encoded when it is taken.
+
+    Nothing is kept: iterating twice encodes twice, and the tensor must not change
+    until the streams have been consumed. ``list(streams)`` gives the eager result.
+    """
+
+    def __init__(
+        self, encode_slice: Callable[[int, int], np.ndarray], bounds: list[tuple[int, int]]
+    ) -> None:
+        self._encode_slice = encode_slice
+        self._bounds = bounds
+
+    def __len__(self) -> int:
+        return len(self._bounds)
+
+    @overload
+    def __getitem__(self, index: int) -> np.ndarray: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[np.ndarray]: ...
+
+    def __getitem__(self, index: Union[int, slice]) -> Union[np.ndarray, list[np.ndarray]]:
+        if isinstance(index, slice):
+            return [self._encode_slice(*bounds) for bounds in self._bounds[index]]
+        return self._encode_slice(*self._bounds[index])
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        for bounds in self._bounds:
+            yield self._encode_slice(*bounds)
+
+
 @register_codec
 class ByteGroupingCodec(Codec):
     """Byte planes per chunk, each zstd-coded or raw.
@@ -185,11 +249,20 @@ class ByteGroupingCodec(Codec):
             level 1 (see the module doc); an int in ``[-7, 22]`` codes every plane that
             is not near random with that stock zstd level.
         chunk_bytes: tensor bytes per chunk; chunks are the unit of parallelism.
+        slice_bytes: tensor bytes coded at a time (rounded to whole chunks); tensors
+            larger than this get one stream per slice. An encoder-side choice that the
+            params record, so it is not part of the config.
     """
 
     codec_id = "byte_grouping"
 
-    def __init__(self, level: Optional[int] = None, chunk_bytes: int = 1 << 21) -> None:
+    def __init__(
+        self,
+        level: Optional[int] = None,
+        chunk_bytes: int = 1 << 21,
+        *,
+        slice_bytes: int = SLICE_BYTES,
+    ) -> None:
         if level is not None and (
             not isinstance(level, int) or isinstance(level, bool) or not -7 <= level <= 22
         ):
@@ -200,8 +273,11 @@ class ByteGroupingCodec(Codec):
             or not (1 << 12) <= chunk_bytes <= (1 << 28)
         ):
             raise ValueError(f"chunk_bytes must be an int in [4096, 2**28], got {chunk_bytes!r}")
+        if not isinstance(slice_bytes, int) or isinstance(slice_bytes, bool) or slice_bytes < 1:
+            raise ValueError(f"slice_bytes must be a positive int, got {slice_bytes!r}")
         self.level = level
         self.chunk_bytes = chunk_bytes
+        self._slice_bytes = slice_bytes
 
     def _chunk_elements(self, count: int, itemsize: int) -> int:
         """Elements per chunk: ``chunk_bytes`` worth, but split mid-sized tensors across workers."""
@@ -211,17 +287,38 @@ class ByteGroupingCodec(Codec):
             chunks = max(chunks, min(worker_count(), nbytes // _MIN_PARALLEL_BYTES))
         return max(1, -(-count // max(chunks, 1)))
 
+    def _layout(self, tensor: torch.Tensor) -> tuple[int, int, int]:
+        """``(lanes, elements per chunk, elements per slice)`` for ``tensor``."""
+        lanes = tensor.numel() * (2 if tensor.dtype.is_complex else 1)
+        itemsize = _lane_dtype(tensor.dtype).itemsize
+        chunk = self._chunk_elements(lanes, itemsize)
+        return lanes, chunk, max(1, self._slice_bytes // (chunk * itemsize)) * chunk
+
     def encode(self, tensor: torch.Tensor, reference: Optional[torch.Tensor] = None) -> Encoded:
-        rows = tensor_byte_rows(tensor)
-        count, itemsize = rows.shape
-        chunk = self._chunk_elements(count, itemsize)
+        lanes, chunk, per_slice = self._layout(tensor)
+        if lanes > per_slice:
+            lazy = self.encode_lazily(tensor, reference)
+            return Encoded(streams=list(lazy.streams), params=lazy.params)
         is_float = _lane_dtype(tensor.dtype).is_floating_point
-        level = self.level
-        plans = parallel_map(
-            lambda start: _encode_chunk(rows[start : start + chunk], is_float, level),
-            range(0, count, chunk),
+        stream = _encode_rows(tensor_byte_rows(tensor), chunk, is_float, self.level)
+        return Encoded(streams=[stream], params={"chunk": chunk})
+
+    def encode_lazily(self, tensor: torch.Tensor, reference: Optional[torch.Tensor] = None) -> Encoded:
+        """:meth:`encode`, except that a tensor larger than a slice gets a :class:`SliceStreams`:
+        each stream is encoded when it is taken, so a caller that writes each one out before
+        taking the next holds one slice's output at a time.
+        """
+        lanes, chunk, per_slice = self._layout(tensor)
+        if lanes <= per_slice:
+            return self.encode(tensor, reference)
+        rows = _slice_source(tensor)
+        is_float, level = _lane_dtype(tensor.dtype).is_floating_point, self.level
+        bounds = [(start, min(start + per_slice, lanes)) for start in range(0, lanes, per_slice)]
+        streams = SliceStreams(
+            lambda start, stop: _encode_rows(rows(start, stop), chunk, is_float, level), bounds
         )
-        return Encoded(streams=[_assemble(plans)], params={"chunk": chunk})
+        # a Sequence where Encoded says list: the writer only iterates it
+        return Encoded(streams=streams, params={"chunk": chunk, "slice": per_slice})  # type: ignore[arg-type]
 
     def decode(
         self,
@@ -230,44 +327,69 @@ class ByteGroupingCodec(Codec):
         spec: TensorSpec,
         reference: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        chunk = params.get("chunk") if isinstance(params, dict) else None
-        if not isinstance(chunk, int) or isinstance(chunk, bool) or not 1 <= chunk <= _MAX_CHUNK_ELEMENTS:
-            raise FormatError(f"byte_grouping: params {str(params)[:80]!r} lack a valid 'chunk' size")
-        if len(streams) != 1:
-            raise FormatError(f"byte_grouping: expected 1 stream, got {len(streams)}")
+        if not isinstance(params, dict):
+            raise FormatError(f"byte_grouping: params {str(params)[:80]!r} are not an object")
+        chunk = _count_param(params, "chunk", _MAX_CHUNK_ELEMENTS)
         lane = _lane_dtype(spec.dtype)
-        itemsize = lane.itemsize
-        count = spec.nbytes // itemsize
-        starts = range(0, count, chunk)
-        pieces = _parse_index(streams[0], len(starts) * itemsize)
-
+        count = spec.nbytes // lane.itemsize
+        if "slice" in params:
+            per_slice = _count_param(params, "slice", _MAX_SLICE_ELEMENTS)
+            expected = -(-count // per_slice)
+        else:
+            per_slice, expected = max(count, 1), 1
+        if len(streams) != expected:
+            raise FormatError(f"byte_grouping: expected {expected} stream(s), got {len(streams)}")
         out = torch.empty(spec.shape, dtype=spec.dtype)
         rows = tensor_byte_rows(out)
-        rotated = lane.is_floating_point and itemsize >= 2
-
-        plain = itemsize - 2 if rotated else itemsize
-
-        def expand(index: int) -> None:
-            target = rows[starts[index] : starts[index] + chunk]
-            size = target.shape[0]
-            chunk_pieces = pieces[index * itemsize : (index + 1) * itemsize]
-            for p, (mode, payload) in enumerate(chunk_pieces):
-                if mode == _PAIR:
-                    _check_pair(chunk_pieces, p, plain, size)
-                    target[:, p : p + 2].view(np.uint16).reshape(-1)[:] = np.frombuffer(payload, dtype="<u2")
-                elif mode == _PAIRED:
-                    if p == 0 or chunk_pieces[p - 1][0] != _PAIR:
-                        raise CorruptCheckpointError("byte_grouping: a paired piece without its pair")
-                elif p < plain:
-                    target[:, p] = _expand_piece(mode, payload, size)
-            if rotated:
-                hi, lo = (_expand_piece(*chunk_pieces[p], size) for p in (itemsize - 1, itemsize - 2))
-                _write_unrotated_top(target, hi, lo)
-
-        parallel_map(expand, range(len(starts)))
+        for index, stream in enumerate(streams):
+            _decode_rows(stream, rows[index * per_slice : (index + 1) * per_slice], chunk, lane)
         if spec.dtype == torch.bool and count and int(rows.max()) > 1:
             raise CorruptCheckpointError("byte_grouping: bool tensor holds bytes other than 0 and 1")
         return out
+
+
+def _count_param(params: dict[str, Any], name: str, limit: int) -> int:
+    value = params.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= limit:
+        raise FormatError(f"byte_grouping: params {str(params)[:80]!r} lack a valid {name!r} size")
+    return value
+
+
+def _encode_rows(rows: np.ndarray, chunk: int, is_float: bool, level: Optional[int]) -> np.ndarray:
+    """One stream: ``rows`` cut into chunks of ``chunk`` elements, coded in parallel."""
+    plans = parallel_map(
+        lambda start: _encode_chunk(rows[start : start + chunk], is_float, level),
+        range(0, rows.shape[0], chunk),
+    )
+    return _assemble(plans)
+
+
+def _decode_rows(stream: Any, rows: np.ndarray, chunk: int, lane: torch.dtype) -> None:
+    """Fill ``rows`` (the byte rows of one stream's elements) from ``stream``."""
+    itemsize = lane.itemsize
+    starts = range(0, rows.shape[0], chunk)
+    pieces = _parse_index(stream, len(starts) * itemsize)
+    rotated = lane.is_floating_point and itemsize >= 2
+    plain = itemsize - 2 if rotated else itemsize
+
+    def expand(index: int) -> None:
+        target = rows[starts[index] : starts[index] + chunk]
+        size = target.shape[0]
+        chunk_pieces = pieces[index * itemsize : (index + 1) * itemsize]
+        for p, (mode, payload) in enumerate(chunk_pieces):
+            if mode == _PAIR:
+                _check_pair(chunk_pieces, p, plain, size)
+                target[:, p : p + 2].view(np.uint16).reshape(-1)[:] = np.frombuffer(payload, dtype="<u2")
+            elif mode == _PAIRED:
+                if p == 0 or chunk_pieces[p - 1][0] != _PAIR:
+                    raise CorruptCheckpointError("byte_grouping: a paired piece without its pair")
+            elif p < plain:
+                target[:, p] = _expand_piece(mode, payload, size)
+        if rotated:
+            hi, lo = (_expand_piece(*chunk_pieces[p], size) for p in (itemsize - 1, itemsize - 2))
+            _write_unrotated_top(target, hi, lo)
+
+    parallel_map(expand, range(len(starts)))
 
 
 def _assemble(plans: list[list[tuple[int, Any]]]) -> np.ndarray:

@@ -43,27 +43,40 @@ class ContainerWriter:
     ) -> int:
         """Append one tensor's streams; returns the bytes stored for it.
 
+        ``encoded.streams`` is iterated once, and each stream is written to the spool before
+        the next is taken, so streams produced lazily (``ByteGroupingCodec.encode_lazily``)
+        are never all in memory at once.
+
         Raises:
             FormatError: the codec's output breaks a rule the reader enforces (it decodes
                 to more than the codec's ``max_expansion`` allows): a bug in the codec.
         """
-        views = [memoryview(stream).cast("B") for stream in encoded.streams]
-        problem = check_expansion(spec, sum(view.nbytes for view in views), codec_config)
-        if problem is not None:
-            raise FormatError(
-                f"refusing to write a file the reader would reject: {problem}; the codec must "
-                "declare a larger max_expansion class attribute"
-            )
+        start = self._cursor
         sections = []
         stored = 0
-        for view in views:
-            offset = aligned(self._cursor)
-            if offset > self._cursor:
-                self._spool.write(b"\0" * (offset - self._cursor))
-            self._spool.write(view)
-            sections.append([offset, view.nbytes, zlib.crc32(view)])
-            self._cursor = offset + view.nbytes
-            stored += view.nbytes
+        try:
+            for stream in encoded.streams:
+                view = memoryview(stream).cast("B")
+                offset = aligned(self._cursor)
+                if offset > self._cursor:
+                    self._spool.write(b"\0" * (offset - self._cursor))
+                self._spool.write(view)
+                sections.append([offset, view.nbytes, zlib.crc32(view)])
+                self._cursor = offset + view.nbytes
+                stored += view.nbytes
+                del view, stream  # before the next stream is produced
+            problem = check_expansion(spec, stored, codec_config)
+            if problem is not None:
+                raise FormatError(
+                    f"refusing to write a file the reader would reject: {problem}; the codec must "
+                    "declare a larger max_expansion class attribute"
+                )
+        except BaseException:
+            # nothing of this tensor stays: the writer can go on with other tensors
+            self._spool.seek(start)
+            self._spool.truncate()
+            self._cursor = start
+            raise
         self._records.append(
             {
                 "dtype": dtype_name(spec.dtype),
