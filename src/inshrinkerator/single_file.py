@@ -19,6 +19,7 @@ from .errors import CheckpointNotFoundError, FormatError
 from .info import SaveInfo
 from .policies import Policy, resolve_policy
 from .serialize import ProgressCallback, read_state, reference_map, write_state
+from .store.remote_errors import TranslatingHandle, translated
 
 __all__ = ["save", "load", "open_container", "PathLike"]
 
@@ -36,7 +37,8 @@ def open_container(path: PathLike) -> ContainerReader:
     source = os.fspath(path)
     try:
         if _is_url(source):
-            handle: IO[bytes] = fsspec.open(source, "rb").open()
+            with translated(source):
+                handle: IO[bytes] = TranslatingHandle(fsspec.open(source, "rb").open(), source)  # type: ignore[assignment]
         else:
             handle = open(source, "rb")
     except FileNotFoundError:
@@ -90,11 +92,13 @@ def _write_whole(destination: str, produce: Callable[[IO[bytes]], T]) -> T:
         return _write_local(Path(path), produce)
     parent, name = posixpath.split(path)
     temporary = posixpath.join(parent, f".{name}.{secrets.token_hex(4)}.tmp")
-    handle = fs.open(temporary, "wb")
+    with translated(destination):
+        handle = fs.open(temporary, "wb")
     try:
-        result = produce(handle)
-        handle.close()  # completes the upload
-        fs.cp_file(temporary, path)  # one atomic replace (a server-side copy on object stores)
+        with translated(destination):
+            result = produce(TranslatingHandle(handle, destination))  # type: ignore[arg-type]
+            handle.close()  # completes the upload
+            fs.cp_file(temporary, path)  # one atomic replace (a server-side copy on object stores)
     except BaseException:
         # Closing would complete the upload with partial content: abort it instead.
         discard = getattr(handle, "discard", None)

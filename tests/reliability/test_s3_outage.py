@@ -29,15 +29,16 @@ from inshrinkerator.errors import AsyncSaveError  # noqa: E402
 from inshrinkerator.store import CheckpointManager, describe_run, verify_run  # noqa: E402
 from inshrinkerator.store import manager as manager_module  # noqa: E402
 from inshrinkerator.store.manifest import RUN_MARKER, manifest_name  # noqa: E402
+from inshrinkerator.store.storage import open_storage  # noqa: E402
 
 from ..helpers import assert_same  # noqa: E402
 from .run_damage import step_state  # noqa: E402
 
 BUCKET = "ink-outage"
 OPTIONS = {"policy": "lossless", "full_every": 3, "keep_last": 2}
-#: What a client sees while the server is down: s3fs turns most failures into OSError;
-#: a refused connection comes through as botocore's EndpointConnectionError.
-OUTAGE_ERRORS = (OSError, botocore_exceptions.BotoCoreError)
+#: What a client sees while the server is down: s3fs turns most failures into OSError, and
+#: the store turns botocore's EndpointConnectionError (a refused connection) into one too.
+OUTAGE_ERRORS = (OSError,)
 _runs = itertools.count()
 
 
@@ -159,6 +160,16 @@ def big_state(step: int) -> dict[str, Any]:
     return {"blob": torch.randint(0, 256, (7 << 20,), dtype=torch.uint8, generator=generator), "step": step}
 
 
+def assert_unreachable(error: BaseException, url: str) -> None:
+    """The error of a storage operation while the server is gone: a ConnectionError naming
+    the file or folder and what to check, chained to botocore's error."""
+    assert type(error) is ConnectionError, repr(error)
+    message = str(error)
+    assert message.startswith(url) and "cannot reach the storage" in message, message
+    assert "check the endpoint URL" in message and "server is up" in message, message
+    assert isinstance(error.__cause__, botocore_exceptions.BotoCoreError), repr(error.__cause__)
+
+
 def _state(step: int) -> dict[str, Any]:
     return big_state(step) if step == 3 else step_state(step)
 
@@ -218,10 +229,13 @@ def test_the_server_stopping_mid_save_loses_nothing(
     assert not s3.running
     tally["S3 outages"] += 1
     error = caught.value.__cause__ if isinstance(caught.value, AsyncSaveError) else caught.value
-    assert isinstance(error, OUTAGE_ERRORS) and BUCKET in str(error), repr(error)
+    assert_unreachable(error, url)
     notes = " ".join(getattr(error, "__notes__", []))
-    with pytest.raises(OUTAGE_ERRORS):  # readers get an error too while the server is down
+    with pytest.raises(ConnectionError) as caught:  # readers get an error too while the server is down
         CheckpointManager(url).load(2)
+    assert_unreachable(caught.value, url)
+    with pytest.raises(ConnectionError):  # nothing could be checked: not reported as damage
+        verify_run(url)
 
     s3.start()
     s3fs.S3FileSystem.clear_instance_cache()
@@ -261,12 +275,80 @@ def test_a_single_file_on_s3_survives_an_outage_mid_upload(s3: S3Server, tally: 
 
     single_file.write_state = stops_midway
     try:
-        with pytest.raises(OUTAGE_ERRORS) as caught:
+        with pytest.raises(ConnectionError) as caught:
             ink.save(big_state(1), url)
     finally:
         single_file.write_state = real_write_state
     tally["S3 outages"] += 1
+    assert_unreachable(caught.value, url)
     assert any("unchanged" in note for note in getattr(caught.value, "__notes__", []))
+    with pytest.raises(ConnectionError) as caught:
+        ink.load(url)
+    assert_unreachable(caught.value, url)
     s3.start()
     s3fs.S3FileSystem.clear_instance_cache()
     assert_same(ink.load(url), step_state(0))
+
+
+def test_every_storage_operation_with_the_server_gone_is_a_connection_error(s3: S3Server) -> None:
+    """Saves, loads, listings and verification of runs and files, the server down from the
+    start: each raises ConnectionError naming what it was reaching for, in well under a second
+    (retries turned down), and nothing is lost once the server is back."""
+    url = f"s3://{BUCKET}/run-{next(_runs)}"
+    file_url = f"s3://{BUCKET}/files/gone-{next(_runs)}.ink"
+    with CheckpointManager(url, **OPTIONS) as writer:
+        writer.save(0, step_state(0))
+    ink.save(step_state(0), file_url)
+    storage = open_storage(url)
+    s3.stop()
+    s3fs.S3FileSystem.clear_instance_cache()
+    try:
+        attempts: dict[str, Callable[[], Any]] = {
+            "list": storage.list_names,
+            "read": lambda: storage.read_bytes(RUN_MARKER, 1 << 20),
+            "open": lambda: storage.open_read(RUN_MARKER),
+            "write_bytes": lambda: storage.write_bytes("x.json", b"{}"),
+            "write_file": lambda: storage.write_file("x.ink", lambda out: out.write(b"x")),
+            "remove": lambda: storage.remove(RUN_MARKER),
+            "prepare": storage.prepare,
+            "manager load": lambda: CheckpointManager(url).load(0),
+            "manager steps": lambda: CheckpointManager(url).steps(),
+            "manager save": lambda: CheckpointManager(url, **OPTIONS).save(1, step_state(1)),
+            "describe_run": lambda: describe_run(url),
+            "verify_run": lambda: verify_run(url),
+            "ink.save": lambda: ink.save(step_state(1), file_url),
+            "ink.load": lambda: ink.load(file_url),
+        }
+        for what, attempt in attempts.items():
+            with pytest.raises(ConnectionError) as caught:
+                attempt()
+            target = file_url if what.startswith("ink.") else url
+            assert_unreachable(caught.value, target)
+            notes = " ".join(getattr(caught.value, "__notes__", []))
+            if what == "manager save":
+                assert "failed before its commit" in notes, notes
+            if what == "ink.save":
+                assert "is unchanged" in notes, notes
+    finally:
+        s3.start()
+        s3fs.S3FileSystem.clear_instance_cache()
+    assert CheckpointManager(url).steps() == [0]
+    assert_same(CheckpointManager(url).load(0), step_state(0))
+    assert_same(ink.load(file_url), step_state(0))
+    assert verify_run(url) == []
+
+
+def test_format_errors_on_s3_are_not_disguised(s3: S3Server) -> None:
+    """With the server up, a damaged or foreign file is still a FormatError / corruption."""
+    url = f"s3://{BUCKET}/files/bad-{next(_runs)}.ink"
+    fs = s3fs.S3FileSystem()
+    fs.pipe_file(url.removeprefix("s3://"), b"\x80\x04" + b"a pickle, not an ink file" * 4)
+    with pytest.raises(ink.FormatError, match="bad magic.*pickle"):
+        ink.load(url)
+    run = f"s3://{BUCKET}/run-{next(_runs)}"
+    with CheckpointManager(run, **OPTIONS) as writer:
+        writer.save(0, step_state(0))
+    fs.pipe_file(f"{run.removeprefix('s3://')}/{manifest_name(0)}", b'{"version": 1}')
+    with pytest.raises(ink.CorruptCheckpointError):
+        CheckpointManager(run).load(0)
+    assert verify_run(run) and all("CorruptCheckpointError" in line for line in verify_run(run))

@@ -87,6 +87,8 @@ def _marker_problems(storage: Any, names: list[str]) -> list[str]:
     try:
         blob = storage.read_bytes(RUN_MARKER, MAX_MANIFEST_BYTES)
         parse_run_marker(blob, storage.describe(RUN_MARKER))
+    except ConnectionError:
+        raise
     except (InkError, OSError) as exc:
         return [f"run marker: {type(exc).__name__}: {exc}"]
     return []
@@ -98,10 +100,16 @@ def verify_run(url: RunLocation) -> list[str]:
 
     Returns one human-readable problem per line (``step N: ...`` or ``run marker: ...``);
     an empty list means the run is sound. Each step is decoded once: a delta reuses the
-    decoded state of the step before it.
+    decoded state of the step before it. Files that no manifest names (what an interrupted
+    or failed save leaves, removed by the run's next writer) are not problems.
+
+    Raises:
+        ConnectionError: the storage cannot be reached (nothing could be checked).
     """
     try:
         storage, names = _open_run(url)
+    except ConnectionError:
+        raise  # the storage cannot be reached: nothing was checked, and nothing is known damaged
     except (InkError, OSError) as exc:
         return [str(exc)]
     problems: list[str] = _marker_problems(storage, names)
@@ -118,6 +126,8 @@ def verify_run(url: RunLocation) -> list[str]:
                     references = reference_map(load_step(storage, manifest.base_step))
             state = read_step_state(storage, manifest, references)
             previous_step, previous = step, reference_map(state)
+        except ConnectionError:
+            raise
         except (InkError, OSError) as exc:
             problems.append(f"step {step}: {type(exc).__name__}: {exc}")
             previous_step, previous = None, None

@@ -185,7 +185,11 @@ class CheckpointManager:
         step = _check_step(step)
         if self._worker is not None:
             self._worker.result()
-        latest = self._latest_manifest()
+        try:
+            latest = self._latest_manifest()
+        except Exception as exc:  # reading the run failed (unreachable, damaged): nothing written
+            self._note_not_committed(exc, step)
+            raise
         if latest is not None and step <= latest.step:
             raise ValueError(
                 f"{self.location}: cannot save step {step}: the run's latest step is {latest.step} "
@@ -234,10 +238,7 @@ class CheckpointManager:
         try:
             manifest, written = self._commit_step(step, state, base)
         except Exception as exc:
-            exc.add_note(
-                f"saving step {step} to {self.location} failed before its commit: the step is not "
-                "in the run, and every step committed before it is intact"
-            )
+            self._note_not_committed(exc, step)
             raise
         storage = self._storage
         delta = manifest.kind == "delta"
@@ -268,6 +269,12 @@ class CheckpointManager:
             ratio=manifest.raw_bytes / max(manifest.stored_bytes, 1),
             seconds=time.perf_counter() - started,
             policy=manifest.policy,
+        )
+
+    def _note_not_committed(self, exc: BaseException, step: int) -> None:
+        exc.add_note(
+            f"saving step {step} to {self.location} failed before its commit: the step is not "
+            "in the run, and every step committed before it is intact"
         )
 
     def _commit_step(

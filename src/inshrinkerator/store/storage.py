@@ -27,6 +27,7 @@ from typing import IO, TypeVar, Union
 import fsspec
 
 from ..errors import CheckpointNotFoundError, FormatError
+from .remote_errors import TranslatingHandle, translated
 
 __all__ = [
     "RunStorage",
@@ -156,7 +157,12 @@ class LocalRunStorage(RunStorage):
 
 
 class FsspecRunStorage(RunStorage):
-    """An fsspec folder (``memory://``, ``s3://``, ...); a file appears when its write completes."""
+    """An fsspec folder (``memory://``, ``s3://``, ...); a file appears when its write completes.
+
+    Every operation raises an ``OSError`` for a storage failure: a client library's own
+    exceptions (botocore's ``EndpointConnectionError`` when the endpoint cannot be reached,
+    ...) become a ``ConnectionError`` / ``OSError`` naming the file (see :mod:`.remote_errors`).
+    """
 
     def __init__(self, fs: fsspec.AbstractFileSystem, root: str, location: str) -> None:
         self.fs = fs
@@ -167,31 +173,38 @@ class FsspecRunStorage(RunStorage):
         return f"{self.root}/{name}"
 
     def list_names(self) -> list[str]:
-        # Another process may have written since fsspec cached this listing.
-        self.fs.invalidate_cache(self.root)
-        try:
-            entries = self.fs.ls(self.root, detail=False)
-        except FileNotFoundError:
-            return []
-        except NotADirectoryError:
-            raise FormatError(f"{self.location} is a file, not a run folder") from None
+        with translated(self.location):
+            # Another process may have written since fsspec cached this listing.
+            self.fs.invalidate_cache(self.root)
+            try:
+                entries = self.fs.ls(self.root, detail=False)
+            except FileNotFoundError:
+                return []
+            except NotADirectoryError:
+                raise FormatError(f"{self.location} is a file, not a run folder") from None
         paths = [str(entry).rstrip("/") for entry in entries]
         return [posixpath.basename(path) for path in paths if path != self.root]
 
     def read_bytes(self, name: str, limit: int) -> bytes:
-        data = self.fs.cat_file(self._path(name), start=0, end=limit + 1)
+        with translated(self.describe(name)):
+            data = self.fs.cat_file(self._path(name), start=0, end=limit + 1)
         if len(data) > limit:
             raise FormatError(f"{self.describe(name)}: larger than {limit} bytes, not a run file")
         return data
 
     def open_read(self, name: str) -> IO[bytes]:
-        return self.fs.open(self._path(name), "rb")
+        where = self.describe(name)
+        with translated(where):
+            return TranslatingHandle(self.fs.open(self._path(name), "rb"), where)  # type: ignore[return-value]
 
     def write_file(self, name: str, produce: Callable[[IO[bytes]], T]) -> T:
-        handle = self.fs.open(self._path(name), "wb")
+        where = self.describe(name)
+        with translated(where):
+            handle = self.fs.open(self._path(name), "wb")
         try:
-            result = produce(handle)
-            handle.close()  # completes the upload; if that fails, it is aborted below too
+            with translated(where):
+                result = produce(TranslatingHandle(handle, where))  # type: ignore[arg-type]
+                handle.close()  # completes the upload; if that fails, it is aborted below too
         except BaseException:
             # Closing would complete the upload with partial content: abort instead.
             discard = getattr(handle, "discard", None)
@@ -212,19 +225,22 @@ class FsspecRunStorage(RunStorage):
         return result
 
     def write_bytes(self, name: str, data: bytes) -> None:
-        self.fs.pipe_file(self._path(name), data)
+        with translated(self.describe(name)):
+            self.fs.pipe_file(self._path(name), data)
 
     def remove(self, name: str) -> None:
-        try:
-            self.fs.rm_file(self._path(name))
-        except FileNotFoundError:
-            pass
+        with translated(self.describe(name)):
+            try:
+                self.fs.rm_file(self._path(name))
+            except FileNotFoundError:
+                pass
 
     def prepare(self) -> None:
-        # Object stores have no folders (s3fs only checks the bucket); others get one here.
-        if self.fs.isfile(self.root):
-            raise FormatError(f"{self.location} is a file, not a run folder")
-        self.fs.makedirs(self.root, exist_ok=True)
+        with translated(self.location):
+            # Object stores have no folders (s3fs only checks the bucket); others get one here.
+            if self.fs.isfile(self.root):
+                raise FormatError(f"{self.location} is a file, not a run folder")
+            self.fs.makedirs(self.root, exist_ok=True)
 
 
 def open_storage(location: RunLocation) -> RunStorage:
