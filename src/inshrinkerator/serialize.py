@@ -24,6 +24,9 @@ __all__ = ["WrittenState", "write_state", "read_state", "reference_map", "Progre
 #: Called after each tensor with (bytes done, bytes in all) of raw tensor data.
 ProgressCallback = Callable[[int, int], None]
 
+# read_state decodes this much raw tensor data at a time (in parallel) between progress calls.
+_READ_BATCH_BYTES = 1 << 28
+
 
 @dataclass
 class WrittenState:
@@ -128,9 +131,8 @@ def read_state(
     paths = tensor_paths(header.skeleton)
     if set(paths) != set(range(len(header.tensors))):
         raise FormatError(f"{reader.source}: skeleton and tensor records disagree")
-    tensors = []
-    total = sum(record.spec.nbytes for record in header.tensors)
-    done = 0
+    references_in_order: list[Optional[torch.Tensor]] = []
+    wheres = []
     for index, record in enumerate(header.tensors):
         key = format_key_path(paths[index])
         reference = None
@@ -141,8 +143,22 @@ def read_state(
                     f"{reader.source}: tensor {key} is stored as a delta against "
                     f"{record.reference!r}, which was not given; {reference_hint}"
                 )
-        tensors.append(reader.decode(record, reference, where=f"tensor {key}"))
-        done += record.spec.nbytes
+        references_in_order.append(reference)
+        wheres.append(f"tensor {key}")
+    # Tensors decode in parallel, in batches of about _READ_BATCH_BYTES of raw data, so that
+    # progress is reported as it happens.
+    tensors: list[torch.Tensor] = []
+    total = sum(record.spec.nbytes for record in header.tensors)
+    done = 0
+    start = 0
+    while start < len(header.tensors):
+        end, batch_bytes = start, 0
+        while end < len(header.tensors) and (end == start or batch_bytes < _READ_BATCH_BYTES):
+            batch_bytes += header.tensors[end].spec.nbytes
+            end += 1
+        tensors += reader.decode_many(header.tensors[start:end], references_in_order[start:end], wheres[start:end])
+        done += batch_bytes
+        start = end
         if progress is not None:
             progress(done, total)
     return unflatten(header.skeleton, tensors)

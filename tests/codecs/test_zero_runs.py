@@ -31,7 +31,7 @@ def test_round_trip(levels: int, density: float, count: int, seed: int) -> None:
     runs = to_run_tokens(positions, nonzero, count, levels)
     assert runs.tokens.numel() == 0 or int(runs.tokens.max()) < token_alphabet(levels)
     back_positions, back_values = from_run_tokens(runs.tokens, runs.extra_bits, runs.extra_bit_count, levels, count)
-    assert torch.equal(back_positions, positions) and torch.equal(back_values, nonzero)
+    assert torch.equal(back_positions.long(), positions) and torch.equal(back_values, nonzero)
     # At most one run token per non-zero value, plus a trailing one.
     assert runs.tokens.numel() <= 2 * nonzero.numel() + 1
 

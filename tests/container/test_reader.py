@@ -321,3 +321,22 @@ def test_odd_keys_and_values_round_trip_through_a_file(state: Any) -> None:
         return
     with ContainerReader(io.BytesIO(out.getvalue()), "odd.ink") as reader:
         assert_exact(state, read_state(reader))
+
+
+def test_decode_many_matches_decode_one_by_one_and_reports_the_earliest_damage(small_file: bytes) -> None:
+    with ContainerReader(io.BytesIO(small_file), "many.ink") as reader:
+        records = reader.header.tensors
+        together = reader.decode_many(records)
+        for tensor, record in zip(together, records):
+            assert_exact(tensor, reader.decode(record))
+    # Damage the last two sections: the error names the earlier of the two tensors.
+    with ContainerReader(io.BytesIO(small_file), "many.ink") as reader:
+        sections = [s for r in reader.header.tensors for s in r.sections if s.length]
+        first_damaged = max(sections[-2:], key=lambda s: -s.offset)
+        data_start = reader.data_start
+    damaged = bytearray(small_file)
+    for section in sections[-2:]:
+        damaged[data_start + section.offset] ^= 0xFF
+    with ContainerReader(io.BytesIO(bytes(damaged)), "many.ink") as reader:
+        with pytest.raises(CorruptCheckpointError, match=f"data offset {first_damaged.offset}"):
+            reader.decode_many(reader.header.tensors)

@@ -19,7 +19,7 @@ masks (e.g. by sensitivity) and the tensor's sketch keys through
 
 Stream layout (one stream, little-endian; ``varint`` is unsigned LEB128)::
 
-    u8 version, u8 flags (bit 0: log domain, bit 1: protected values in fp16, else bf16),
+    u8 version (2; version 1 still decodes), u8 flags (bit 0: log domain, bit 1: protected values in fp16, else bf16),
     u16 values (n, incl. the zero level), u16 zero index, u16 prune below, u16 protect above,
     u32 reference fingerprint (0 for a full tensor), varint protected count,
     f32[n] level values, protected values (2 bytes each), id stream (the rest)
@@ -53,10 +53,12 @@ from .nonuniform_quantizer import (
 from .registry import register_codec
 from .varint import decode_varint, encode_varint
 
-__all__ = ["DynaQuantCodec", "DynaQuantDeltaCodec", "magnitude_thresholds", "reference_fingerprint"]
+__all__ = ["DynaQuantCodec", "DynaQuantDeltaCodec", "magnitude_thresholds", "predicted_ids", "reference_fingerprint"]
 
 _LAYOUT = struct.Struct("<BBHHHHI")
-_VERSION = 1
+_VERSION = 2
+# Version 1 streams (run tokens and ANS only) are a subset of version 2 and still decode.
+_READABLE_VERSIONS = (1, 2)
 _LOG_FLAG, _FP16_FLAG = 1, 2
 _MAX_BINS = 1024
 #: Deltas of tensors up to this size are regrouped by predicted bucket (the sort pays off
@@ -73,6 +75,12 @@ def reference_fingerprint(reference: torch.Tensor) -> int:
     sample = flat[::step].contiguous().cpu()
     crc = zlib.crc32(sample.view(torch.uint8).numpy().tobytes() if sample.numel() else b"", flat.numel())
     return crc or 1
+
+
+def predicted_ids(table: LevelTable, reference: torch.Tensor) -> torch.Tensor:
+    """The id every element of ``reference`` gets under ``table`` (what a delta is coded against)."""
+    flat = reference.detach().reshape(-1)
+    return table.lookup(flat.device).index_select(0, signed_keys(flat))
 
 
 def magnitude_thresholds(counts: torch.Tensor, prune: float, protect: float) -> tuple[int, int]:
@@ -296,7 +304,7 @@ class DynaQuantCodec(Codec):
             raise CorruptCheckpointError(f"{self.codec_id}: stream is shorter than its header")
         version, flags, count, zero_index, prune_below, protect_above, fingerprint = _LAYOUT.unpack_from(view)
         protected_count, values_start = decode_varint(view, _LAYOUT.size)
-        if version != _VERSION or flags & ~(_LOG_FLAG | _FP16_FLAG):
+        if version not in _READABLE_VERSIONS or flags & ~(_LOG_FLAG | _FP16_FLAG):
             raise FormatError(f"{self.codec_id}: unknown stream version {version} or flags {flags:#x}")
         if not 1 <= count < MAX_LEVELS or zero_index >= count or protected_count > spec.numel:
             raise FormatError(f"{self.codec_id}: header ({count} levels, zero at {zero_index}) is invalid")
@@ -324,9 +332,7 @@ class DynaQuantCodec(Codec):
             protected = torch.frombuffer(bytearray(view[values_end:protected_end]), dtype=protected_dtype)
         else:
             protected = torch.empty(0, dtype=protected_dtype)
-        predicted = None
-        if reference is not None:
-            predicted = table.lookup().index_select(0, signed_keys(reference.detach().reshape(-1).cpu()))
+        predicted = None if reference is None else predicted_ids(table, reference)
         ids = decode_bucket_ids(view[protected_end:], table.count, spec.numel, predicted)
         positions = torch.nonzero(ids == table.protect_id).reshape(-1)
         if positions.numel() != protected_count:

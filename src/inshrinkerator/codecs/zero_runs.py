@@ -69,11 +69,28 @@ def _unpack_bits(data: bytes, count: int) -> torch.Tensor:
     return bits.reshape(-1)[:count]
 
 
-def _classes(lengths: torch.Tensor, count: int) -> torch.Tensor:
-    # floor(log2 r) exactly: frexp gives r = m * 2**e with m in [0.5, 1); float32 holds
-    # every run length exactly below 2**24.
-    exact = lengths.float() if count < 1 << 24 else lengths.double()
-    return torch.frexp(exact)[1].long() - 1
+def _classes(lengths: torch.Tensor) -> torch.Tensor:
+    # floor(log2 r) exactly, for r >= 1: the exponent field of r as a float64 (exact for
+    # every run length a tensor can have), read with integer operations.
+    return ((lengths.double().view(torch.int64) >> 52) - 1023).to(lengths.dtype)
+
+
+def _index_dtype(count: int) -> torch.dtype:
+    # Positions and run lengths in int32 when they fit: half the memory traffic of int64.
+    return torch.int32 if count < (1 << 31) - 1 else torch.int64
+
+
+def _extra_bits(runs: torch.Tensor, run_classes: torch.Tensor) -> tuple[bytes, int]:
+    """The low ``class`` bits of every long run, most significant first, packed."""
+    total_bits = int(run_classes.sum())
+    if not total_bits:
+        return b"", 0
+    runs, run_classes = runs.long(), run_classes.long()
+    extras = runs - (torch.ones_like(runs) << run_classes)
+    owner = torch.repeat_interleave(torch.arange(runs.numel(), device=runs.device), run_classes)
+    starts = torch.cumsum(run_classes, 0) - run_classes
+    shift = run_classes[owner] - 1 - (torch.arange(total_bits, device=runs.device) - starts[owner])
+    return _pack_bits((extras[owner] >> shift) & 1), total_bits
 
 
 def to_run_tokens(positions: torch.Tensor, values: torch.Tensor, count: int, levels: int) -> RunTokens:
@@ -84,50 +101,78 @@ def to_run_tokens(positions: torch.Tensor, values: torch.Tensor, count: int, lev
         values: their values, in ``[1, levels)``.
         count: the stream's length.
         levels: the value alphabet size.
+
+    The tokens come back in the smallest integer dtype that holds the alphabet.
     """
-    positions = positions.reshape(-1).long().cpu()
-    values = values.reshape(-1).long().cpu()
-    previous = torch.cat([torch.tensor([-1]), positions])
-    gaps = torch.cat([positions, torch.tensor([count])]) - previous - 1
+    dtype = _index_dtype(count)
+    device = positions.device
+    positions = positions.reshape(-1).to(dtype)
+    values = values.reshape(-1)
+    nonzero = positions.numel()
+    # gaps[k]: the zeros before the k-th non-zero value (the last one: the trailing run).
+    gaps = torch.empty(nonzero + 1, dtype=dtype, device=device)
+    gaps[0] = positions[0] if nonzero else count
+    if nonzero:
+        torch.sub(positions[1:], positions[:-1], out=gaps[1:nonzero])
+        gaps[1:nonzero] -= 1
+        gaps[nonzero] = count - 1 - positions[-1]
+    token_dtype = torch.uint8 if token_alphabet(levels) <= 256 else torch.int16 if token_alphabet(levels) < 1 << 15 else torch.int32
     # Interleave: gap_0, value_0, gap_1, value_1, ..., gap_last (the trailing run).
-    slots = torch.empty(2 * positions.numel() + 1, dtype=torch.int64)
-    long_run = gaps > SHORT_RUNS
-    classes = torch.where(long_run, _classes(gaps.clamp_min(1), count), 0)
-    slots[0::2] = levels - 1 + torch.where(long_run, SHORT_RUNS + classes - _SHORT_CLASS, gaps - 1)
-    slots[1::2] = values - 1
-    keep = torch.ones(slots.numel(), dtype=torch.bool)
-    keep[0::2] = gaps > 0
-    tokens = slots[keep]
-    runs = gaps[long_run]
-    run_classes = classes[long_run]
-    total_bits = int(run_classes.sum())
-    if total_bits:
-        extras = runs - (torch.ones_like(runs) << run_classes)
-        owner = torch.repeat_interleave(torch.arange(runs.numel()), run_classes)
-        starts = torch.cumsum(run_classes, 0) - run_classes
-        shift = run_classes[owner] - 1 - (torch.arange(total_bits) - starts[owner])
-        bits = (extras[owner] >> shift) & 1
+    slots = torch.empty(2 * nonzero + 1, dtype=dtype, device=device)
+    run_slots = slots[0::2]
+    torch.add(gaps, levels - 2, out=run_slots)  # short runs: levels - 1 + (r - 1)
+    long_positions = torch.nonzero(gaps > SHORT_RUNS).reshape(-1)
+    runs = gaps.index_select(0, long_positions)
+    run_classes = _classes(runs) if runs.numel() else runs
+    run_slots.index_copy_(0, long_positions, run_classes + (levels - 1 + SHORT_RUNS - _SHORT_CLASS))
+    slots[1::2] = values.to(dtype) - 1
+    empty_runs = torch.nonzero(gaps == 0).reshape(-1)
+    if empty_runs.numel():
+        keep = torch.ones(slots.numel(), dtype=torch.bool, device=device)
+        keep[2 * empty_runs] = False
+        tokens = slots[keep].to(token_dtype)
     else:
-        bits = torch.empty(0, dtype=torch.int64)
-    return RunTokens(tokens, _pack_bits(bits), total_bits)
+        tokens = slots.to(token_dtype)
+    extra_bits, total_bits = _extra_bits(runs, run_classes)
+    return RunTokens(tokens, extra_bits, total_bits)
+
+
+def _token_lengths(levels: int, device: torch.device) -> torch.Tensor:
+    # Per token: how many values it stands for (long runs: 2**class, their extra bits added later).
+    alphabet = token_alphabet(levels)
+    lengths = torch.ones(alphabet, dtype=torch.int64, device=device)
+    lengths[levels - 1 : levels - 1 + SHORT_RUNS] = torch.arange(1, SHORT_RUNS + 1, device=device)
+    lengths[levels - 1 + SHORT_RUNS :] = torch.ones(_LONG_CLASSES, dtype=torch.int64, device=device) << torch.arange(
+        _SHORT_CLASS, MAX_RUN_CLASSES, device=device
+    )
+    return lengths
 
 
 def from_run_tokens(
     tokens: torch.Tensor, extra_bits: bytes, extra_bit_count: int, levels: int, count: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of :func:`to_run_tokens`: ``(positions, values)`` of the non-zero entries (int64).
+    """Inverse of :func:`to_run_tokens`: ``(positions, values)`` of the non-zero entries.
+
+    ``tokens`` may be of any integer dtype. Positions come back as int32 (int64 for
+    streams of 2**31 values or more), values as int64.
 
     Raises:
         CorruptCheckpointError: the tokens and bits do not describe exactly ``count`` values.
     """
-    tokens = tokens.reshape(-1).long()
+    tokens = tokens.reshape(-1)
+    device = tokens.device
     if tokens.numel() > count:
         raise CorruptCheckpointError(f"{tokens.numel()} run-length tokens for only {count} values")
-    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= token_alphabet(levels)):
+    alphabet = token_alphabet(levels)
+    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= alphabet):
         raise CorruptCheckpointError("run-length tokens lie outside their alphabet")
-    is_run = tokens >= levels - 1
-    is_long = tokens >= levels - 1 + SHORT_RUNS
-    run_classes = tokens[is_long] - (levels - 1 + SHORT_RUNS) + _SHORT_CLASS
+    dtype = _index_dtype(count)
+    index = tokens if tokens.dtype in (torch.int32, torch.int64) else tokens.int()
+    # Run classes too long for this tensor are refused below; capping them first lets the
+    # lengths be int32, and the int64 sum check comes before any (then monotone) prefix sum.
+    lengths = _token_lengths(levels, device).clamp(max=max(count, 1)).to(dtype).index_select(0, index)
+    long_positions = torch.nonzero(index >= levels - 1 + SHORT_RUNS).reshape(-1)
+    run_classes = index.index_select(0, long_positions).long() - (levels - 1 + SHORT_RUNS) + _SHORT_CLASS
     if run_classes.numel() and int(run_classes.max()) >= max(count.bit_length(), 1):
         raise CorruptCheckpointError("a run-length token claims a run longer than the tensor")
     total_bits = int(run_classes.sum())
@@ -135,20 +180,20 @@ def from_run_tokens(
         raise CorruptCheckpointError(
             f"run-length tokens need {total_bits} extra bits, the stream holds {extra_bit_count}"
         )
-    bits = _unpack_bits(extra_bits, extra_bit_count)
-    long_runs = torch.ones(run_classes.numel(), dtype=torch.int64) << run_classes
     if total_bits:
-        owner = torch.repeat_interleave(torch.arange(run_classes.numel()), run_classes)
+        bits = _unpack_bits(extra_bits, extra_bit_count).to(device)
+        owner = torch.repeat_interleave(torch.arange(run_classes.numel(), device=device), run_classes)
         starts = torch.cumsum(run_classes, 0) - run_classes
-        shift = run_classes[owner] - 1 - (torch.arange(total_bits) - starts[owner])
-        long_runs.index_add_(0, owner, bits << shift)
-    runs = tokens - (levels - 2)
-    runs[is_long] = long_runs
-    lengths = torch.where(is_run, runs, 1)
-    if int(lengths.sum()) != count:
-        raise CorruptCheckpointError(
-            f"run-length tokens describe {int(lengths.sum())} values, expected {count}"
-        )
-    starts = torch.cumsum(lengths, 0) - lengths
-    value_tokens = ~is_run
-    return starts[value_tokens], tokens[value_tokens] + 1
+        shift = run_classes[owner] - 1 - (torch.arange(total_bits, device=device) - starts[owner])
+        extras = torch.zeros(run_classes.numel(), dtype=torch.int64, device=device).index_add_(0, owner, bits << shift)
+        lengths.index_add_(0, long_positions, extras.to(lengths.dtype))
+    elif len(extra_bits):
+        raise CorruptCheckpointError("run-length extra bits are present where no long run needs them")
+    total = int(lengths.sum(dtype=torch.int64))
+    if total != count:
+        raise CorruptCheckpointError(f"run-length tokens describe {total} values, expected {count}")
+    ends = torch.cumsum(lengths, 0, dtype=lengths.dtype)
+    value_tokens = index < levels - 1
+    positions = ends.masked_select(value_tokens)
+    positions -= 1
+    return positions, index.masked_select(value_tokens).long() + 1

@@ -12,15 +12,26 @@ from __future__ import annotations
 
 import os
 import zlib
+from collections.abc import Sequence
 from typing import IO, Any, Optional
 
 import torch
 
+from ..codecs._parallel import parallel_map
 from ..codecs.registry import get_codec
 from ..errors import CorruptCheckpointError, FormatError, InkError
 from .format import PREAMBLE, Header, TensorRecord, aligned, parse_header, unpack_preamble
 
 __all__ = ["ContainerReader"]
+
+
+class _Failure:
+    """An exception raised while decoding one of several tensors, kept until all are done."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
 
 
 def _file_size(handle: IO[bytes]) -> int:
@@ -83,31 +94,42 @@ class ContainerReader:
         """The size of the file."""
         return self.data_start + self.header.data_bytes
 
-    def read_streams(self, record: TensorRecord) -> list[bytes]:
-        """The checked bytes of every section of ``record``.
-
-        Raises:
-            CorruptCheckpointError: a checksum mismatch, non-zero padding or a short read.
-        """
-        streams = []
+    def _read_sections(self, record: TensorRecord) -> list[bytes]:
+        # The raw bytes of every section, padding included (one reader of the handle at a time).
+        sections = []
         for section in record.sections:
             self._handle.seek(self.data_start + section.offset - section.padding)
             data = self._handle.read(section.padding + section.length)
             if len(data) != section.padding + section.length:
                 raise CorruptCheckpointError(f"{self.source}: file is truncated inside a section")
+            sections.append(data)
+        return sections
+
+    def _check_sections(self, record: TensorRecord, sections: list[bytes]) -> list[Any]:
+        # Padding and checksums of what _read_sections read; safe on any thread.
+        streams = []
+        for section, data in zip(record.sections, sections):
             if data[: section.padding].count(0) != section.padding:
                 raise CorruptCheckpointError(
                     f"{self.source}: the padding before data offset {section.offset} is not zero; "
                     "the file is damaged"
                 )
-            data = data[section.padding :]
-            if zlib.crc32(data) != section.crc32:
+            stream = memoryview(data)[section.padding :] if section.padding else data
+            if zlib.crc32(stream) != section.crc32:
                 raise CorruptCheckpointError(
                     f"{self.source}: section checksum mismatch at data offset {section.offset}; "
                     "the file is damaged"
                 )
-            streams.append(data)
+            streams.append(stream)
         return streams
+
+    def read_streams(self, record: TensorRecord) -> list[Any]:
+        """The checked bytes of every section of ``record`` (bytes-like objects).
+
+        Raises:
+            CorruptCheckpointError: a checksum mismatch, non-zero padding or a short read.
+        """
+        return [bytes(stream) for stream in self._check_sections(record, self._read_sections(record))]
 
     def verify(self) -> int:
         """Check every section's bytes (checksums and padding) without decoding; returns
@@ -128,12 +150,62 @@ class ContainerReader:
             FormatError / CorruptCheckpointError: the record does not decode to its spec.
             BrokenChainError: the codec needs a reference that is missing or wrong.
         """
-        where = where or f"tensor {record.spec.dtype} {list(record.spec.shape)}"
-        try:
-            codec = get_codec(record.codec)
-        except InkError as exc:
-            raise type(exc)(f"{self.source}: {where}: {exc}") from None
-        streams = self.read_streams(record)  # I/O errors are not format errors: they propagate
+        return self.decode_many([record], [reference], [where])[0]
+
+    def decode_many(
+        self,
+        records: Sequence[TensorRecord],
+        references: Optional[Sequence[Optional[torch.Tensor]]] = None,
+        wheres: Optional[Sequence[str]] = None,
+    ) -> list[torch.Tensor]:
+        """Read several tensors (in order, on this thread) and decode them in parallel.
+
+        The file is read serially (the handle is not shared between threads); checksums
+        and codecs run on the shared codec pool. Errors are those of :meth:`decode`; when
+        several tensors fail, the one raised is that of the earliest record among them.
+        """
+        records = list(records)
+        references = list(references) if references is not None else [None] * len(records)
+        wheres = list(wheres) if wheres is not None else [""] * len(records)
+        if not len(records) == len(references) == len(wheres):
+            raise ValueError("decode_many needs one reference and one location per record")
+        codecs = []
+        for record, where in zip(records, wheres):
+            try:
+                codecs.append(get_codec(record.codec))
+            except InkError as exc:
+                raise type(exc)(f"{self.source}: {self._where(record, where)}: {exc}") from None
+        sections = [self._read_sections(record) for record in records]  # I/O errors propagate
+
+        def one(index: int) -> Any:
+            try:
+                return self._decode_checked(codecs[index], records[index], sections[index], references[index], wheres[index])
+            except BaseException as exc:  # reported in record order below
+                return _Failure(exc)
+
+        results = parallel_map(one, sorted(range(len(records)), key=lambda i: -records[i].spec.nbytes))
+        by_record: list[Any] = [None] * len(records)
+        for index, result in zip(sorted(range(len(records)), key=lambda i: -records[i].spec.nbytes), results):
+            by_record[index] = result
+        for result in by_record:
+            if isinstance(result, _Failure):
+                raise result.error
+        return by_record
+
+    @staticmethod
+    def _where(record: TensorRecord, where: str) -> str:
+        return where or f"tensor {record.spec.dtype} {list(record.spec.shape)}"
+
+    def _decode_checked(
+        self,
+        codec: Any,
+        record: TensorRecord,
+        sections: list[bytes],
+        reference: Optional[torch.Tensor],
+        where: str,
+    ) -> torch.Tensor:
+        where = self._where(record, where)
+        streams = self._check_sections(record, sections)
         try:
             tensor = codec.decode(streams, record.params, record.spec, reference)
         except InkError as exc:

@@ -9,8 +9,12 @@ Existing cases are kept unless ``--overwrite`` is given: a changed encoding must
 deliberate format change, never a silent regeneration.
 
 The bucket-id coder gets its own small goldens (``bucket_delta/*.json``: ids,
-predictions and the stream, in every mode), because the codecs only use the
-un-rearranged mode for tensors too large to keep in the repository.
+predictions and the stream, in every mode and layout), because the codecs only use
+the un-rearranged mode for tensors too large to keep in the repository.
+
+Cases named ``v1_*`` hold streams of DynaQuant stream version 1 (run tokens and ANS
+only), written by the version of this script at that format; this script cannot
+write them any more, and the tests check that they still decode.
 """
 
 from __future__ import annotations
@@ -103,10 +107,16 @@ def _bucket_delta_cases() -> list[tuple[str, torch.Tensor, int, Optional[torch.T
     predicted = torch.randint(0, 14, (3000,), generator=generator)
     moved = torch.rand(3000, generator=generator) < 0.05
     ids = torch.where(moved, (predicted + torch.randint(-1, 2, (3000,), generator=generator)).clamp(0, 13), predicted)
+    dense = torch.where(torch.rand(3000, generator=generator) < 0.6, (predicted + 1) % 14, predicted)
+    wide = torch.randint(0, 300, (3000,), generator=generator)
+    wide_ids = torch.where(torch.rand(3000, generator=generator) < 0.1, (wide + 7) % 300, wide)
     return [
         ("plain", ids, 14, None, False),
         ("predicted", ids, 14, predicted, False),
         ("rearranged", ids, 14, predicted, True),
+        ("dense_predicted", dense, 14, predicted, False),
+        ("dense_rearranged", dense, 14, predicted, True),
+        ("wide_alphabet", wide_ids, 300, wide, False),
     ]
 
 
@@ -120,6 +130,10 @@ def write_bucket_delta_case(path: Path, ids: torch.Tensor, levels: int, predicte
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(meta) + "\n")
+
+
+def _mode_byte(path: Path) -> int:
+    return base64.b64decode(json.loads(path.read_text())["stream"])[0]
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -139,7 +153,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"kept     bucket_delta/{name}")
             continue
         write_bucket_delta_case(path, ids, levels, predicted, rearrange)
-        print(f"wrote    bucket_delta/{name}")
+        print(f"wrote    bucket_delta/{name} (mode byte {_mode_byte(path):#04x})")
     return 0
 
 
