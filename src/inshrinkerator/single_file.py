@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import posixpath
 import secrets
@@ -63,6 +64,8 @@ def _base_references(base: BaseLike) -> Optional[dict[str, torch.Tensor]]:
 
 
 def _write_local(target: Path, produce: Callable[[IO[bytes]], T]) -> T:
+    if target.is_dir():  # checked first: encoding a large state only to fail at the rename
+        raise _is_a_directory(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
@@ -70,11 +73,21 @@ def _write_local(target: Path, produce: Callable[[IO[bytes]], T]) -> T:
             result = produce(handle)
             handle.flush()
             os.fsync(handle.fileno())
-        os.replace(temporary, target)
+        try:
+            os.replace(temporary, target)
+        except IsADirectoryError:  # a directory appeared there meanwhile
+            raise _is_a_directory(target) from None
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
     return result
+
+
+def _is_a_directory(target: Path) -> IsADirectoryError:
+    return IsADirectoryError(
+        errno.EISDIR, f"{target} is a directory: ink.save writes one file, so give a file path "
+        "(ink.CheckpointManager writes a run into a directory); nothing was written"
+    )
 
 
 def _write_whole(destination: str, produce: Callable[[IO[bytes]], T]) -> T:
@@ -148,6 +161,9 @@ def save(
 
     Raises:
         UnsupportedStateError: the state holds a value that cannot be stored.
+        IsADirectoryError: ``path`` is a directory.
+        OSError: the write failed (``ConnectionError`` when the storage behind a URL cannot
+            be reached).
     """
     started = time.perf_counter()
     chosen = resolve_policy(policy)
@@ -180,6 +196,8 @@ def load(
         CheckpointNotFoundError: no file at ``path``.
         FormatError / CorruptCheckpointError: not a valid or an intact ``.ink`` file.
         BrokenChainError: the file needs a base that was not given or does not match.
+        OSError: reading failed (``ConnectionError`` when the storage behind a URL cannot be
+            reached).
     """
     with open_container(path) as reader:
         return read_state(reader, _base_references(base), progress=progress)

@@ -110,3 +110,47 @@ def test_a_crash_between_rebase_and_deletion_loses_nothing(tmp_path, monkeypatch
         assert again.steps() == [5, 6]
         assert_same(again.load(5), state_for(5))
     assert verify_run(str(run)) == []
+
+
+def _data_files(run_url: str) -> set[str]:
+    from inshrinkerator.store.manifest import step_of_data_name
+    from inshrinkerator.store.storage import open_storage
+
+    return {name for name in open_storage(run_url).list_names() if step_of_data_name(name) is not None}
+
+
+@pytest.mark.parametrize("cleanup", ["works", "fails too"])
+def test_a_failed_manifest_write_while_rebasing_leaves_no_orphan_for_long(run_url: str, monkeypatch, cleanup) -> None:
+    """The re-based step's new data file is removed on the failure path; if even that fails,
+    readers and verify_run ignore it and the manager's next save removes it."""
+    from inshrinkerator.store import rebase
+
+    mgr = CheckpointManager(run_url, full_every=10, keep_last=2, policy="lossless")
+    mgr.save(0, state_for(0))
+    mgr.save(1, state_for(1))  # a delta against 0; saving 2 drops 0 and re-bases 1
+    real_publish = rebase.publish_manifest
+
+    def publish_fails(*args, **kwargs):
+        raise OSError(5, "Input/output error (injected)")
+
+    monkeypatch.setattr(rebase, "publish_manifest", publish_fails)
+    if cleanup == "fails too":
+        monkeypatch.setattr(rebase, "_discard_unpublished", lambda *args: None)
+    with pytest.raises(OSError, match="injected") as caught:
+        mgr.save(2, state_for(2))
+    assert any("step 2 was committed" in note for note in caught.value.__notes__)
+    monkeypatch.setattr(rebase, "publish_manifest", real_publish)
+
+    named = {entry.data_file for entry in describe_run(run_url)}
+    assert [entry.step for entry in describe_run(run_url)] == [0, 1, 2]
+    orphans = _data_files(run_url) - named
+    assert len(orphans) == (0 if cleanup == "works" else 1)
+    assert verify_run(run_url) == []  # an orphan is a harmless leftover, not damage
+    for step in (0, 1, 2):
+        assert_same(CheckpointManager(run_url).load(step), state_for(step))
+
+    mgr.save(3, state_for(3))  # retention again, and the leftover swept
+    assert mgr.steps() == [2, 3]
+    mgr.close()
+    assert _data_files(run_url) == {entry.data_file for entry in describe_run(run_url)}
+    assert verify_run(run_url) == []

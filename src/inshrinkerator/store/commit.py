@@ -6,8 +6,9 @@ Saving a step:
      does not exist for any reader, after it the step is complete.
 
 Deleting a step: remove its manifest first (the step is gone), then its data file.
-Whatever a crash leaves behind (temporaries, data files no manifest names) is invisible
-to readers and is removed by :func:`remove_stale` when a writer starts.
+Whatever a crash or a failed save leaves behind (temporaries, data files no manifest
+names) is invisible to readers and to ``verify_run``, and is removed by :func:`remove_stale`
+when a writer starts and on the save after a failed one.
 """
 
 from __future__ import annotations
@@ -124,6 +125,11 @@ def remove_stale(storage: RunStorage, names: list[str]) -> list[str]:
             referenced = None
         if referenced is not None:
             removed += [name for name in data_files if name not in referenced]
+    done = []
     for name in removed:
-        storage.remove(name)
-    return removed
+        try:
+            storage.remove(name)
+        except IsADirectoryError:
+            continue  # not a leftover of ours (writers never make directories): left alone
+        done.append(name)
+    return done

@@ -238,6 +238,7 @@ class CheckpointManager:
         try:
             manifest, written = self._commit_step(step, state, base)
         except Exception as exc:
+            self._writing = False  # the next save sweeps what this one may have left
             self._note_not_committed(exc, step)
             raise
         storage = self._storage
@@ -255,6 +256,7 @@ class CheckpointManager:
                 self._latest = read_manifest(storage, step)
                 self._latest_depth = self._chain_depth(step)
         except Exception as exc:
+            self._writing = False  # e.g. a re-based data file whose manifest failed
             exc.add_note(
                 f"step {step} was committed to {self.location}; applying "
                 f"keep_last={self.keep_last} failed after the commit (older steps may remain; "

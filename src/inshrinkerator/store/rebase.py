@@ -20,7 +20,7 @@ from ..policies import Lossless, Policy
 from ..serialize import write_state
 from ..tree import TensorLeaf
 from .chain import load_step
-from .commit import publish_manifest, write_data
+from .commit import publish_manifest, read_manifest, write_data
 from .manifest import StepManifest
 from .storage import RunStorage
 
@@ -79,7 +79,8 @@ def rebase_step(storage: RunStorage, manifest: StepManifest, policy: Policy) -> 
 
     Order (crash-safe at every point): decode the step through its chain, write a new
     data file, publish the new manifest (the step is now full), then remove the old
-    data file. A crash before the manifest leaves the old delta step intact.
+    data file. A crash before the manifest leaves the old delta step intact; a failed
+    manifest write removes the new data file again.
     """
     if manifest.kind == "full":
         return manifest
@@ -90,16 +91,32 @@ def rebase_step(storage: RunStorage, manifest: StepManifest, policy: Policy) -> 
         manifest.step,
         lambda handle: write_state(handle, state, ExactRebasePolicy(policy), meta=meta),
     )
-    rebased = publish_manifest(
-        storage,
-        replace(
-            manifest,
-            kind="full",
-            base_step=None,
-            data_file=name,
-            data_bytes=written.stored_bytes,
-            rebased=True,
-        ),
-    )
+    try:
+        rebased = publish_manifest(
+            storage,
+            replace(
+                manifest,
+                kind="full",
+                base_step=None,
+                data_file=name,
+                data_bytes=written.stored_bytes,
+                rebased=True,
+            ),
+        )
+    except BaseException:
+        _discard_unpublished(storage, manifest.step, name)
+        raise
     storage.remove(manifest.data_file)
     return rebased
+
+
+def _discard_unpublished(storage: RunStorage, step: int, data_file: str) -> None:
+    """Remove the new data file of a re-base whose manifest write failed, unless the manifest
+    landed anyway (an object store may apply a write whose reply was lost). The step keeps its
+    old manifest and data either way. If this cleanup fails too, the file is an orphan that
+    readers and ``verify_run`` ignore and the run's next save removes."""
+    try:
+        if read_manifest(storage, step).data_file != data_file:
+            storage.remove(data_file)
+    except Exception:  # noqa: BLE001 - cleanup after a failure must not mask it
+        pass

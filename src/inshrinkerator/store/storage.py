@@ -16,6 +16,7 @@ flat folder.
 
 from __future__ import annotations
 
+import errno
 import os
 import posixpath
 import tempfile
@@ -26,7 +27,7 @@ from typing import IO, TypeVar, Union
 
 import fsspec
 
-from ..errors import CheckpointNotFoundError, FormatError
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, FormatError
 from .remote_errors import TranslatingHandle, translated
 
 __all__ = [
@@ -51,6 +52,20 @@ def is_temporary(name: str) -> bool:
     return name.startswith(TEMPORARY_PREFIX)
 
 
+def _directory_in_the_way(where: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{where} is a directory where a run file belongs; the run was damaged (move the "
+        "directory away; `inshrink verify` lists the steps this breaks)"
+    )
+
+
+def _cannot_write_over_directory(where: str) -> IsADirectoryError:
+    return IsADirectoryError(
+        errno.EISDIR, f"{where} is a directory where a run file belongs; nothing was written "
+        "there (move the directory away and save again)"
+    )
+
+
 class RunStorage(ABC):
     """A flat folder of named files. ``location`` is the path or URL, for messages."""
 
@@ -62,11 +77,13 @@ class RunStorage(ABC):
 
     @abstractmethod
     def read_bytes(self, name: str, limit: int) -> bytes:
-        """The whole file; :class:`FileNotFoundError` if absent, :class:`FormatError` if over ``limit``."""
+        """The whole file; :class:`FileNotFoundError` if absent, :class:`FormatError` if over
+        ``limit``, :class:`CorruptCheckpointError` if a directory is in its place."""
 
     @abstractmethod
     def open_read(self, name: str) -> IO[bytes]:
-        """A seekable binary handle; :class:`FileNotFoundError` if absent."""
+        """A seekable binary handle; :class:`FileNotFoundError` if absent,
+        :class:`CorruptCheckpointError` if a directory is in its place."""
 
     @abstractmethod
     def write_file(self, name: str, produce: Callable[[IO[bytes]], T]) -> T:
@@ -74,6 +91,7 @@ class RunStorage(ABC):
 
         On any error nothing is left under ``name``. Use a name that no reader looks
         for yet: on object stores the bytes may be visible under it while it is written.
+        A directory in the way is an :class:`IsADirectoryError` naming it (left as it is).
         """
 
     @abstractmethod
@@ -82,7 +100,8 @@ class RunStorage(ABC):
 
     @abstractmethod
     def remove(self, name: str) -> None:
-        """Delete ``name``; a missing file is not an error."""
+        """Delete ``name``; a missing file is not an error, a directory is never removed
+        (:class:`IsADirectoryError` where the backend has directories)."""
 
     @abstractmethod
     def prepare(self) -> None:
@@ -108,14 +127,20 @@ class LocalRunStorage(RunStorage):
             raise FormatError(f"{self.location} is a file, not a run directory") from None
 
     def read_bytes(self, name: str, limit: int) -> bytes:
-        with open(self.root / name, "rb") as handle:
-            data = handle.read(limit + 1)
+        try:
+            with open(self.root / name, "rb") as handle:
+                data = handle.read(limit + 1)
+        except IsADirectoryError:
+            raise _directory_in_the_way(self.describe(name)) from None
         if len(data) > limit:
             raise FormatError(f"{self.describe(name)}: larger than {limit} bytes, not a run file")
         return data
 
     def open_read(self, name: str) -> IO[bytes]:
-        return open(self.root / name, "rb")
+        try:
+            return open(self.root / name, "rb")
+        except IsADirectoryError:
+            raise _directory_in_the_way(self.describe(name)) from None
 
     def write_file(self, name: str, produce: Callable[[IO[bytes]], T]) -> T:
         fd, temporary = tempfile.mkstemp(prefix=f"{TEMPORARY_PREFIX}{name}.", dir=self.root)
@@ -124,7 +149,10 @@ class LocalRunStorage(RunStorage):
                 result = produce(handle)
                 handle.flush()
                 os.fsync(handle.fileno())
-            os.replace(temporary, self.root / name)
+            try:
+                os.replace(temporary, self.root / name)
+            except IsADirectoryError:
+                raise _cannot_write_over_directory(self.describe(name)) from None
         except BaseException:
             Path(temporary).unlink(missing_ok=True)
             raise
@@ -148,7 +176,12 @@ class LocalRunStorage(RunStorage):
             os.close(fd)
 
     def remove(self, name: str) -> None:
-        (self.root / name).unlink(missing_ok=True)
+        try:
+            (self.root / name).unlink(missing_ok=True)
+        except IsADirectoryError:
+            raise IsADirectoryError(
+                errno.EISDIR, f"{self.describe(name)} is a directory, not a run file: left as it is"
+            ) from None
 
     def prepare(self) -> None:
         if self.root.exists() and not self.root.is_dir():
@@ -186,16 +219,22 @@ class FsspecRunStorage(RunStorage):
         return [posixpath.basename(path) for path in paths if path != self.root]
 
     def read_bytes(self, name: str, limit: int) -> bytes:
-        with translated(self.describe(name)):
-            data = self.fs.cat_file(self._path(name), start=0, end=limit + 1)
+        try:
+            with translated(self.describe(name)):
+                data = self.fs.cat_file(self._path(name), start=0, end=limit + 1)
+        except IsADirectoryError:
+            raise _directory_in_the_way(self.describe(name)) from None
         if len(data) > limit:
             raise FormatError(f"{self.describe(name)}: larger than {limit} bytes, not a run file")
         return data
 
     def open_read(self, name: str) -> IO[bytes]:
         where = self.describe(name)
-        with translated(where):
-            return TranslatingHandle(self.fs.open(self._path(name), "rb"), where)  # type: ignore[return-value]
+        try:
+            with translated(where):
+                return TranslatingHandle(self.fs.open(self._path(name), "rb"), where)  # type: ignore[return-value]
+        except IsADirectoryError:
+            raise _directory_in_the_way(where) from None
 
     def write_file(self, name: str, produce: Callable[[IO[bytes]], T]) -> T:
         where = self.describe(name)
