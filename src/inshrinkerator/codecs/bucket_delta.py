@@ -50,7 +50,7 @@ from typing import Any, Optional
 import torch
 
 from ..errors import CorruptCheckpointError, FormatError
-from .entropy import decode_symbols, encode_symbols, expand_frame, huffman_frame, order0_entropy_bits
+from .entropy import decode_symbols, encode_symbols, expand_frame, huffman_frame
 from .varint import decode_varint, encode_varint
 from .zero_runs import from_run_tokens, to_run_tokens, token_alphabet
 
@@ -105,7 +105,7 @@ class EntropyStats:
     def add(self, tokens: torch.Tensor, alphabet: int, coded: bytes, table: Optional[int] = None) -> None:
         """Count ``tokens`` coded as ``coded``, of which ``table`` bytes are not payload
         (default: the ANS stage's header and count table)."""
-        bits = order0_entropy_bits(tokens, alphabet)
+        bits = _entropy_bits(torch.bincount(tokens.reshape(-1), minlength=alphabet))
         if table is None:
             table = _SYMBOLS_HEAD.size + _SYMBOLS_HEAD.unpack_from(coded)[2]
         with self._lock:
@@ -147,7 +147,7 @@ def encode_id_symbols(symbols: torch.Tensor, alphabet: int) -> tuple[bool, bytes
         if count <= _SMALL_STREAM:
             coded = encode_symbols(symbols, alphabet)
             return (True, frame) if len(frame) <= len(coded) else (False, coded)
-        bound = order0_entropy_bits(symbols, alphabet) / 8
+        bound = _entropy_bits(torch.bincount(symbols.reshape(-1), minlength=alphabet)) / 8
         if len(frame) <= (1 + HUFFMAN_SLACK) * bound + 64:
             return True, frame
     return False, encode_symbols(symbols, alphabet)
@@ -176,15 +176,27 @@ def decode_id_symbols(data: Any, huffman: bool, count: int, alphabet: int) -> to
 
 
 def _cyclic_difference(ids: torch.Tensor, base: torch.Tensor, levels: int) -> torch.Tensor:
-    # (ids - base) mod levels, elementwise, in int16 (ids < 4096).
+    """``(ids - base) mod levels`` elementwise, for ids and base in ``[0, levels)``."""
+    if levels <= 128 and ids.dtype == base.dtype == torch.uint8:
+        # ids + (levels - base) < 256: three passes over bytes.
+        return torch.remainder(ids + (levels - base), levels)
     difference = ids.to(torch.int16) - base.to(torch.int16)
     return torch.where(difference < 0, difference + levels, difference)
 
 
 def _cyclic_sum(base: torch.Tensor, values: torch.Tensor, levels: int) -> torch.Tensor:
-    # (base + values) mod levels for base, values in [0, levels), in int16.
+    """``(base + values) mod levels`` elementwise, for both in ``[0, levels)``."""
+    if levels <= 128 and base.dtype == values.dtype == torch.uint8:
+        return torch.remainder(base + values, levels)  # the sum stays below 256
     total = base.to(torch.int16) + values.to(torch.int16)
     return torch.where(total >= levels, total - levels, total)
+
+
+def _entropy_bits(counts: torch.Tensor) -> float:
+    # Order-0 entropy in bits of symbols with these counts.
+    counts = counts[counts > 0].double()
+    total = counts.sum()
+    return float(-(counts * torch.log2(counts / total)).sum()) if counts.numel() else 0.0
 
 
 def encode_bucket_ids(
@@ -208,7 +220,7 @@ def encode_bucket_ids(
     if predicted is None:
         mode = PLAIN
         if run_symbol is None:
-            run_symbol = int(torch.bincount(ids.long(), minlength=levels).argmax()) if count else 0
+            run_symbol = int(torch.bincount(ids, minlength=levels).argmax()) if count else 0
         if not 0 <= run_symbol < levels:
             raise ValueError(f"run symbol {run_symbol} is not an id in [0, {levels})")
         positions = changed if changed is not None else torch.nonzero(ids != run_symbol).reshape(-1)
