@@ -7,8 +7,10 @@ before it; the ratio is extra / state bytes. A sampling thread (every 20 ms) cro
 the kernel's figure. Cases:
 
 - ``ink.save`` (lossless) of a model + Adam state (many tensors of 32 MiB);
-- ``ink.save`` (lossless) of one single tensor as large as that whole state (worst case:
-  codecs return a tensor's encoded streams whole);
+- ``ink.save`` (lossless) of one single tensor as large as that whole state (the codec
+  encodes it slice by slice and the writer spools each slice's stream as it comes), then
+  ``ink.load`` of that file with the state freed (its extra includes the 1.0x of the
+  loaded tensor itself);
 - ``CheckpointManager`` (sync, lossless and the default policy), two saves: a full step,
   then a delta against it;
 - ``CheckpointManager(async_save=True)`` (lossless), two saves.
@@ -142,9 +144,15 @@ def run_case(case: str, total_bytes: int, folder: Path) -> dict[str, Any]:
     else:
         state = _model_state(total_bytes)
     state_bytes = _state_bytes(state)
+    tensor_count = len(_tensors(state))
     saves = []
     if case in ("save_lossless", "save_one_tensor"):
         saves.append(_measure("ink.save", lambda: ink.save(state, folder / "state.ink", policy="lossless")))
+        if case == "save_one_tensor":
+            del state
+            loaded: dict[str, Any] = {}
+            saves.append(_measure("ink.load", lambda: loaded.update(ink.load(folder / "state.ink"))))
+            del loaded
     else:
         options: dict[str, Any] = {"policy": "lossless"} if case != "manager_default" else {}
         options["async_save"] = case == "manager_async"
@@ -161,7 +169,7 @@ def run_case(case: str, total_bytes: int, folder: Path) -> dict[str, Any]:
         manager.close()
     for entry in saves:
         entry["extra_over_state"] = round(entry["extra_mib"] * 2**20 / state_bytes, 3)
-    return {"case": case, "state_bytes": state_bytes, "tensors": len(_tensors(state)), "saves": saves}
+    return {"case": case, "state_bytes": state_bytes, "tensors": tensor_count, "saves": saves}
 
 
 def _tensors(state: Any) -> list[Any]:
