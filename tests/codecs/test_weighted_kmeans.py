@@ -40,7 +40,9 @@ def test_result_is_sorted_distinct_and_not_worse_than_its_seeds(values: list[flo
     assert torch.all(centroids[1:] > centroids[:-1])
     assert float(centroids.min()) >= min(values) - 1e-9 and float(centroids.max()) <= max(values) + 1e-9
     seeds = weighted_kmeans_1d(points, weights, k, iterations=0, seed=seed)
-    assert _loss(points, weights, centroids) <= _loss(points, weights, seeds) + 1e-9
+    # Lloyd steps never raise the loss; float64 sums of up to 60 terms of ~1e4 round at ~1e-12 relative.
+    seeded_loss = _loss(points, weights, seeds)
+    assert _loss(points, weights, centroids) <= seeded_loss * (1 + 1e-9) + 1e-9
 
 
 def test_deterministic_and_warm_started() -> None:
