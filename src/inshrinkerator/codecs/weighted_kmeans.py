@@ -113,4 +113,5 @@ def weighted_kmeans_1d(
         # An empty cluster keeps its position; the final cleanup drops it.
         centroids = torch.sort(torch.where(mass > 0, moment / mass.clamp_min(1e-300), centroids)).values
     used = torch.unique(nearest_level(points, centroids))
-    return centroids[used]
+    # Means of clusters of tiny values (e.g. 1e-114 and 1e-213) can round to the same value.
+    return torch.unique(centroids[used])
