@@ -7,11 +7,22 @@ the restore time against ``torch.load``; for DynaQuant also the search cost and 
 close the entropy stage came to the order-0 entropy of its symbols.
 
     python benchmarks/dynaquant_probe.py --workload digits-cnn --policy dynaquant --policy excp
+
+Probe-only spec options (prefixed ``@``; any base policy) measure the noise floor and
+ablate DynaQuant: ``@weights=``, ``@first=``, ``@second=`` replace what the base policy
+plans for that tensor class with ``exact`` (lossless), ``bf16``, ``fp16`` or ``trunc<n>``
+(float32 with its lowest ``n`` mantissa bits rounded away), so
+``lossless:@weights=bf16`` perturbs only the weights, by bf16 rounding, and
+``dynaquant:@first=exact,@second=exact`` shows what the weights alone cost. A
+DynaQuant grid option takes ``|``-separated values (``bins=64|48|32``);
+``@second_protect=``, ``@prune_penalty=``, ``@movement_share=``, ``@residual_bins=`` and
+``@proxy_scale=`` set those module constants for one run.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -20,13 +31,134 @@ from pathlib import Path
 
 import torch
 
+from collections.abc import Sequence
+from typing import Any, Optional
+
 from inshrinkerator.bench.aggregate import run_metrics
 from inshrinkerator.bench.policy_specs import build_policy
 from inshrinkerator.bench.recovery import run_reference, run_with_failures
-from inshrinkerator.policies import DynaQuant
+from inshrinkerator.codecs import Codec
+from inshrinkerator.codecs.base import Encoded, TensorSpec
+from inshrinkerator.codecs.raw import tensor_bytes, tensor_from_bytes
+from inshrinkerator.codecs.registry import register_codec
+from inshrinkerator.policies import DynaQuant, Lossless, Policy
+from inshrinkerator.policies import dynaquant as dynaquant_module
+from inshrinkerator.policies import quantization_trials
+from inshrinkerator.policies.state_layout import TensorRole, layout_of
+from inshrinkerator.tree import TensorLeaf
+
+_CLASS_ROLES = {
+    "weights": (TensorRole.WEIGHT,),
+    "first": (TensorRole.FIRST_MOMENT, TensorRole.MOMENTUM_BUFFER),
+    "second": (TensorRole.SECOND_MOMENT,),
+}
+
+
+def _rounded(tensor: torch.Tensor, mode: str) -> torch.Tensor:
+    if mode in ("bf16", "fp16"):
+        return tensor.to(torch.bfloat16 if mode == "bf16" else torch.float16).to(tensor.dtype)
+    if mode.startswith("trunc") and tensor.dtype == torch.float32:
+        bits = int(mode[5:])
+        as_int = tensor.contiguous().view(torch.int32)
+        half = 1 << (bits - 1)
+        rounded = (as_int + half) & ~((1 << bits) - 1)  # round half up on the magnitude
+        return rounded.view(torch.float32)
+    raise ValueError(f"unknown perturbation {mode!r}")
+
+
+@register_codec
+class ProbeRoundCodec(Codec):
+    """Probe only: the tensor rounded (bf16, fp16, truncated mantissa), stored raw."""
+
+    codec_id = "probe_round"
+    lossless = False
+
+    def __init__(self, mode: str = "bf16") -> None:
+        self.mode = mode
+
+    def encode(self, tensor: torch.Tensor, reference: Optional[torch.Tensor] = None) -> Encoded:
+        rounded = _rounded(tensor.detach(), self.mode)
+        return Encoded(streams=[tensor_bytes(rounded)], reconstruction=rounded)
+
+    def decode(self, streams: Sequence[Any], params: dict, spec: TensorSpec, reference=None) -> torch.Tensor:
+        return tensor_from_bytes(streams[0], spec)
+
+
+class ProbePolicy(Policy):
+    """Probe only: a base policy whose plan is overridden per tensor class."""
+
+    def __init__(self, inner: Policy, overrides: dict[str, str]) -> None:
+        self.inner = inner
+        self.overrides = overrides
+        self.name = inner.name
+
+    def watch(self, model: torch.nn.Module) -> None:
+        hook = getattr(self.inner, "watch", None)
+        if hook is not None:
+            hook(model)
+
+    def plan(self, leaves: Sequence[TensorLeaf], references: Sequence[Optional[torch.Tensor]]) -> list[Codec]:
+        codecs = self.inner.plan(leaves, references)
+        exact = Lossless().plan(leaves, references)
+        roles = layout_of(leaves).roles
+        for cls, mode in self.overrides.items():
+            for i, (leaf, role) in enumerate(zip(leaves, roles)):
+                if role not in _CLASS_ROLES[cls] or not leaf.tensor.dtype.is_floating_point:
+                    continue
+                codecs[i] = exact[i] if mode == "exact" else ProbeRoundCodec(mode)
+        return codecs
+
+
+_CONSTANTS = {
+    "second_protect": (dynaquant_module, "SECOND_MOMENT_PROTECT"),
+    "prune_penalty": (quantization_trials, "PRUNE_PENALTY"),
+    "proxy_scale": (dynaquant_module, "PROXY_SCALE"),
+    "movement_share": (dynaquant_module, "MOVEMENT_SHARE"),
+    "residual_bins": (dynaquant_module, "RESIDUAL_BINS"),
+}
+_DEFAULT_CONSTANTS = {name: getattr(module, attr) for name, (module, attr) in _CONSTANTS.items()}
+
+
+def _value(text: str) -> Any:
+    if "|" in text:
+        return tuple(_value(part) for part in text.split("|") if part)
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def build_probe_policy(spec: str) -> Policy:
+    """A policy for ``spec``, with the probe-only ``@`` options and tuple grids applied."""
+    for name, (module, attr) in _CONSTANTS.items():
+        setattr(module, attr, _DEFAULT_CONSTANTS[name])
+    name, _, options = spec.partition(":")
+    plain, overrides, grids = [], {}, {}
+    for item in filter(None, options.split(",")):
+        key, _, value = item.partition("=")
+        if key.startswith("@"):
+            key = key[1:]
+            if key in _CONSTANTS:
+                module, attr = _CONSTANTS[key]
+                setattr(module, attr, type(_DEFAULT_CONSTANTS[key])(float(value)))
+            elif key in _CLASS_ROLES:
+                overrides[key] = value
+            else:
+                raise ValueError(f"unknown probe option @{key}")
+        elif "|" in value:
+            grids[key] = _value(value)
+        else:
+            plain.append(item)
+    policy = build_policy(name + (":" + ",".join(plain) if plain else ""))
+    if grids:
+        policy = dataclasses.replace(policy, **grids)
+    return ProbePolicy(policy, overrides) if overrides else policy
 
 
 def _dynaquant_extras(policy: object) -> dict:
+    policy = getattr(policy, "inner", policy)
     if not isinstance(policy, DynaQuant):
         return {}
     log = policy.search_log
@@ -44,6 +176,80 @@ def _dynaquant_extras(policy: object) -> dict:
     }
 
 
+def paired_restores(workload_name: str, seed: int, quick: bool, specs: list[str], steps_after: int,
+                    last: int, full_every: int) -> list[dict]:
+    """Chaos-free quality of each policy's restores, checkpoint by checkpoint.
+
+    One uninterrupted run saves every checkpoint through one manager per policy (the
+    chains, searches and deltas are those of a real run). At each of the ``last``
+    checkpoints a second model is restored from the exact state and from each policy's
+    checkpoint, trained ``steps_after`` steps on the same batches, and evaluated:
+    ``deg_pct`` is the relative metric change (positive = worse). With
+    ``steps_after = 0`` it is the restored weights' immediate cost, free of the
+    divergence that any perturbation causes over many steps.
+    """
+    import copy
+
+    from inshrinkerator.tree import flatten
+
+    from inshrinkerator.bench.measures import degradation_percent
+    from inshrinkerator.bench.workloads import make_workload
+    from inshrinkerator.store import CheckpointManager
+
+    workload = make_workload(workload_name, seed, quick)
+    probe = make_workload(workload_name, seed, quick)
+    size = workload.size
+    checkpoints = list(range(size.checkpoint_every, size.total_steps + 1, size.checkpoint_every))
+    judged = set(checkpoints[-last:])
+    folder = tempfile.TemporaryDirectory()
+    policies = {spec: build_probe_policy(spec) for spec in specs}
+    managers = {}
+    for index, (spec, policy) in enumerate(policies.items()):
+        managers[spec] = CheckpointManager(str(Path(folder.name) / str(index)), policy=policy, full_every=full_every)
+        managers[spec].watch(workload.model)
+
+    def quality(state: dict) -> Any:
+        probe.restore(copy.deepcopy(state))
+        for offset in range(steps_after):
+            probe.train_step(start + offset)
+        return probe.evaluate()
+
+    rows = {spec: [] for spec in specs}
+    step = raw_bytes = 0
+    while step < size.total_steps:
+        workload.train_step(step)
+        step += 1
+        if step % size.checkpoint_every:
+            continue
+        state = {"step": step, **workload.state()}
+        raw_bytes += sum(leaf.tensor.numel() * leaf.tensor.element_size() for leaf in flatten(state).tensors)
+        for spec, manager in managers.items():
+            manager.save(step, state)
+        if step not in judged:
+            continue
+        start = step
+        exact = quality(copy.deepcopy(workload.state()))
+        for spec, manager in managers.items():
+            restored = manager.load(step)
+            restored.pop("step", None)
+            got = quality(restored)
+            rows[spec].append(degradation_percent(exact.value, got.value, exact.higher_is_better))
+    from inshrinkerator.bench.measures import directory_bytes, run_class_bytes
+
+    stored = {}
+    for index, (spec, manager) in enumerate(managers.items()):
+        manager.close()
+        on_disk, files = directory_bytes(Path(folder.name) / str(index))
+        stored[spec] = (on_disk, run_class_bytes(files).stored)
+    folder.cleanup()
+    return [{"workload": workload_name, "seed": seed, "policy": spec, "steps_after": steps_after,
+             "deg_pct_by_checkpoint": values, "deg_pct_mean": sum(values) / len(values),
+             "deg_pct_max": max(values), "raw_bytes": raw_bytes, "stored_bytes": stored[spec][0],
+             "cr_full": raw_bytes / stored[spec][0], "class_bytes": stored[spec][1],
+             **_dynaquant_extras(policies[spec])}
+            for spec, values in rows.items()]
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", action="append", default=None)
@@ -54,12 +260,27 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--failures", type=int, default=10)
     parser.add_argument("--full-every", type=int, default=10)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--paired", type=int, default=None, metavar="STEPS",
+                        help="paired restores instead of failure runs: train STEPS steps after each restore")
+    parser.add_argument("--last", type=int, default=3, help="paired restores at the last N checkpoints")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     workloads = args.workload or ["digits-cnn"]
     specs = args.policy or ["dynaquant"]
     results = []
+    if args.paired is not None:
+        for workload in workloads:
+            for seed in range(args.first_seed, args.first_seed + args.seeds):
+                for row in paired_restores(workload, seed, args.quick, specs, args.paired, args.last, args.full_every):
+                    results.append(row)
+                    values = " ".join(f"{v:+.2f}" for v in row["deg_pct_by_checkpoint"])
+                    print(f"{workload:>18} s{seed} {row['policy']:<40} paired +{args.paired} steps: "
+                          f"deg % {values} (mean {row['deg_pct_mean']:+.3f})  CR full {row['cr_full']:.1f}  "
+                          f"stored {row['class_bytes']}", flush=True)
+        if args.out is not None:
+            args.out.write_text(json.dumps(results, indent=1, default=str))
+        return 0
     for workload in workloads:
         for seed in range(args.first_seed, args.first_seed + args.seeds):
             started = time.perf_counter()
@@ -67,7 +288,7 @@ def main(argv: list[str]) -> int:
             print(f"# {workload} seed {seed}: reference {reference['evaluation']['metric']} = "
                   f"{reference['evaluation']['value']:.4f} ({time.perf_counter() - started:.0f} s)", flush=True)
             for spec in specs:
-                policy = build_policy(spec)
+                policy = build_probe_policy(spec)
                 started = time.perf_counter()
                 with tempfile.TemporaryDirectory() as folder:
                     run = run_with_failures(

@@ -262,10 +262,13 @@ class ConfigurationCube:
         self._baseline: Optional[float] = None
         self._quality: dict[tuple[Point, str], float] = {}
         self.oracles = {metric: MonotoneOracle(lambda p, m=metric: self.feasible(p, m)) for metric in self.metrics}
+        #: (index, point, metric) -> bins chosen for that tensor by :meth:`refine`
+        self.refined: dict[tuple[int, Point, str], int] = {}
 
     # -- one tensor at one point
     def config(self, index: int, point: Point, metric: str) -> TrialConfig:
         bins = self.axes[1][point[1]] if index in self.embedding else self.axes[0][point[0]]
+        bins = self.refined.get((index, point, metric), bins)
         return TrialConfig(bins=bins, prune=self.axes[2][point[2]], protect=self.axes[3][point[3]], metric=metric)
 
     def describe(self, point: Point, metric: str) -> dict[str, Any]:
@@ -299,6 +302,47 @@ class ConfigurationCube:
         if init is not None and init.numel() != config.bins:
             init = None
         return trial.run(config, threshold, init)
+
+    def refine(self, point: Point, metric: str, floors: Optional[dict[int, int]] = None) -> int:
+        """Give each tensor the fewest bins that keep *its own* error within budget (proxy only).
+
+        The cube shares one bin count among all tensors (one among embeddings), so the
+        hardest tensor decides it for all; under the proxy every tensor's error is judged
+        alone, so each may go coarser on its own. Walks each tensor's bin axis from the
+        chosen setting towards fewer bins and stops at the first one over budget.
+        Returns the number of trial runs (part of the search cost). The point's quality
+        stays within budget; :meth:`config`, :meth:`result` and :meth:`quality` use the
+        refined bins from now on. ``floors`` (index -> bins) are the fewest bins a tensor may
+        get: with them, a tensor is never stored coarser than before (and is raised to its
+        floor when the shared setting is coarser).
+        """
+        floors = floors or {}
+        runs = 0
+        worst = 0.0
+        for index in self.trials:
+            axis, position = (self.axes[1], point[1]) if index in self.embedding else (self.axes[0], point[0])
+            floor = floors.get(index, 0)
+            if axis[position] < floor:
+                self.refined[(index, point, metric)] = floor
+            if self.evaluate is not None:
+                continue
+            scale = self.scales.get(index, 1.0)
+            error = self.result(index, point, metric).error / scale
+            chosen = self.config(index, point, metric).bins
+            for bins in axis[position + 1:]:
+                if bins < floor:
+                    break
+                self.refined[(index, point, metric)] = bins
+                runs += 1
+                trial_error = self.result(index, point, metric).error / scale
+                if trial_error > self.budget:
+                    break
+                chosen, error = bins, trial_error
+            self.refined[(index, point, metric)] = chosen
+            worst = max(worst, error)
+        if self.evaluate is None:
+            self._quality[(point, metric)] = worst
+        return runs
 
     # -- quality and feasibility
     def quality(self, point: Point, metric: str) -> float:
@@ -363,8 +407,11 @@ class ConfigurationCube:
         return -bits
 
     # -- the searches
-    def search(self, previous: Optional[tuple[Point, str]], radius: int) -> tuple[Optional[Point], str, str]:
-        """``(point, metric, kind)``: guided search the first time, neighbourhood search after."""
+    def search(
+        self, previous: Optional[tuple[Point, str]], radius: int, allow_more_aggressive: bool = True
+    ) -> tuple[Optional[Point], str, str]:
+        """``(point, metric, kind)``: guided search the first time, neighbourhood search after
+        (more aggressive neighbours only when ``allow_more_aggressive``)."""
         valid = previous is not None and len(previous[0]) == len(self.shape) and all(
             0 <= p < n for p, n in zip(previous[0], self.shape)
         )
@@ -376,7 +423,9 @@ class ConfigurationCube:
                 # Switch metric when the other one is clearly better at the same point.
                 if other != metric and self.quality(centre, other) < 0.8 * self.quality(centre, metric):
                     metric = other
-            found = neighbourhood_search(self.shape, self.oracles[metric], self.score, centre, radius)
+            found = neighbourhood_search(
+                self.shape, self.oracles[metric], self.score, centre, radius, allow_more_aggressive
+            )
             if found is not None:
                 return found, metric, "neighbourhood"
             # Nothing near the previous best: search the whole cube again. The guided search
