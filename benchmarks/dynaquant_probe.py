@@ -250,6 +250,50 @@ def paired_restores(workload_name: str, seed: int, quick: bool, specs: list[str]
             for spec, values in rows.items()]
 
 
+def step_errors(workload_name: str, seed: int, quick: bool, specs: list[str], steps: int) -> list[dict]:
+    """How far each policy's stored moments move Adam's step ``m / (sqrt(v) + eps)``.
+
+    Trains ``steps`` steps, saves and loads the state with each policy, and compares the
+    step of every Adam entry of at least 1024 values before and after.
+    """
+    import inshrinkerator as ink
+
+    workload = make_workload_for_probe(workload_name, seed, quick)
+    for step in range(steps):
+        workload.train_step(step)
+    state = workload.state()
+    groups = state["optimizer"]["param_groups"]
+    eps = groups[0].get("eps", 1e-8) if groups else 1e-8
+    rows = []
+    for spec in specs:
+        with tempfile.TemporaryDirectory() as folder:
+            ink.save(state, Path(folder) / "state.ink", policy=build_probe_policy(spec))
+            restored = ink.load(Path(folder) / "state.ink")["optimizer"]["state"]
+        relative, largest_error, largest_step, blown = [], 0.0, 0.0, 0.0
+        for key, entry in state["optimizer"]["state"].items():
+            if "exp_avg_sq" not in entry or entry["exp_avg"].numel() < 1024:
+                continue
+            true = entry["exp_avg"] / (entry["exp_avg_sq"].sqrt() + eps)
+            got = restored[key]["exp_avg"] / (restored[key]["exp_avg_sq"].sqrt() + eps)
+            error = got - true
+            relative.append(float(error.norm() / true.norm()))
+            largest_error = max(largest_error, float(error.abs().max()))
+            largest_step = max(largest_step, float(true.abs().max()))
+            blown = max(blown, float((got.abs() > 3 * true.abs().max()).float().mean()))
+        rows.append({"workload": workload_name, "seed": seed, "policy": spec, "steps": steps,
+                     "relative_step_error_mean": sum(relative) / max(len(relative), 1),
+                     "relative_step_error_max": max(relative, default=0.0),
+                     "largest_step_error": largest_error, "largest_true_step": largest_step,
+                     "fraction_over_3x_largest": blown})
+    return rows
+
+
+def make_workload_for_probe(name: str, seed: int, quick: bool):
+    from inshrinkerator.bench.workloads import make_workload
+
+    return make_workload(name, seed, quick)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", action="append", default=None)
@@ -262,6 +306,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--paired", type=int, default=None, metavar="STEPS",
                         help="paired restores instead of failure runs: train STEPS steps after each restore")
+    parser.add_argument("--step-error", type=int, default=None, metavar="STEPS",
+                        help="train STEPS steps, then compare Adam's step before and after each policy's save/load")
     parser.add_argument("--last", type=int, default=3, help="paired restores at the last N checkpoints")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
@@ -269,6 +315,18 @@ def main(argv: list[str]) -> int:
     workloads = args.workload or ["digits-cnn"]
     specs = args.policy or ["dynaquant"]
     results = []
+    if args.step_error is not None:
+        for workload in workloads:
+            for seed in range(args.first_seed, args.first_seed + args.seeds):
+                for row in step_errors(workload, seed, args.quick, specs, args.step_error):
+                    results.append(row)
+                    print(f"{workload:>18} s{seed} {row['policy']:<40} step error: relative mean "
+                          f"{row['relative_step_error_mean']:.3f} max {row['relative_step_error_max']:.3f}, largest "
+                          f"{row['largest_step_error']:.2f} (true steps up to {row['largest_true_step']:.2f}), "
+                          f"steps > 3x the largest: {row['fraction_over_3x_largest']:.2e}", flush=True)
+        if args.out is not None:
+            args.out.write_text(json.dumps(results, indent=1, default=str))
+        return 0
     if args.paired is not None:
         for workload in workloads:
             for seed in range(args.first_seed, args.first_seed + args.seeds):

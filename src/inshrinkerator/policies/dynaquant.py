@@ -12,12 +12,18 @@ Per checkpoint:
    Fisher-weighted ``sum(F (w_hat - w)^2) / sum(F w^2)`` (``F`` the paired Adam second
    moment, or the squared gradient average of a watched model), must stay below
    ``tolerance * PROXY_SCALE`` (calibrated on the benchmark workloads:
-   docs/dynaquant.md). The first checkpoint runs a guided search of the
-   whole cube; later ones search around the previous best and fall back to an
-   exhaustive search when nothing near it is feasible. Prune thresholds are shared per
-   layer type. Weights are stored by :class:`~inshrinkerator.codecs.DynaQuantDeltaCodec`
-   against the previous reconstruction (:class:`~inshrinkerator.codecs.DynaQuantCodec`
-   in a full checkpoint).
+   docs/dynaquant.md), and below ``MOVEMENT_SHARE`` of the tensor's squared change
+   since the reference (else a restore would undo the training since). The first
+   checkpoint runs a guided search of the whole cube; later ones search around the
+   previous best (never more aggressive, and no tensor gets fewer bins than before)
+   and fall back to an exhaustive search when nothing near it is feasible; then each
+   tensor takes the fewest bins that keep its own error within budget. Prune
+   thresholds are shared per layer type. Weights are stored by
+   :class:`~inshrinkerator.codecs.DynaQuantDeltaCodec` against the previous
+   reconstruction (:class:`~inshrinkerator.codecs.DynaQuantCodec` in a full
+   checkpoint); one that misses its budget at every grid point is stored as its
+   quantized change since the reference (``ResidualCodec``) when it moved, else
+   losslessly.
 2. **First moments** (Adam ``exp_avg``, SGD ``momentum_buffer``): the symmetric levels
    ``0, +-c_1, ..., +-c_k`` (``k = moment_bins // 2``), so no entry changes sign or more
    than doubles, coded without a reference (moments decorrelate between saves). Pruning in
@@ -69,7 +75,7 @@ PROXY_SCALE = 1.0
 _FIRST_ORDER = (TensorRole.FIRST_MOMENT, TensorRole.MOMENTUM_BUFFER)
 #: A moving weight's stored error may be at most this share of its squared change since
 #: the reference (the previous checkpoint's reconstruction).
-MOVEMENT_SHARE = 0.5
+MOVEMENT_SHARE = 0.1
 #: Levels of the change of a weight stored as a residual (it moved less than its cells).
 RESIDUAL_BINS = 16
 #: Fraction of each second moment (its largest entries) kept in 16 bits.
@@ -182,7 +188,7 @@ class DynaQuant(Policy):
     moment_bins: int = 4
     first_moment_keep: float = 1.0
     momentum_keep: float = 1.0
-    second_moment_bins: int = 4
+    second_moment_bins: int = 8
     second_moment: str = "quantized"
     min_numel: int = 1024
     name: str = "dynaquant"
