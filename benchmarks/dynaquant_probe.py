@@ -39,6 +39,7 @@ from inshrinkerator.bench.policy_specs import build_policy
 from inshrinkerator.bench.recovery import run_reference, run_with_failures
 from inshrinkerator.codecs import Codec
 from inshrinkerator.codecs.base import Encoded, TensorSpec
+from inshrinkerator.codecs.bucket_delta import EntropyStats
 from inshrinkerator.codecs.raw import tensor_bytes, tensor_from_bytes
 from inshrinkerator.codecs.registry import register_codec
 from inshrinkerator.policies import DynaQuant, Lossless, Policy
@@ -91,6 +92,10 @@ class ProbePolicy(Policy):
         self.inner = inner
         self.overrides = overrides
         self.name = inner.name
+
+    def fresh(self) -> "ProbePolicy":
+        """The same overrides around a policy with no memory of saves (a new process)."""
+        return ProbePolicy(dataclasses.replace(self.inner), self.overrides)
 
     def watch(self, model: torch.nn.Module) -> None:
         hook = getattr(self.inner, "watch", None)
@@ -157,12 +162,21 @@ def build_probe_policy(spec: str) -> Policy:
     return ProbePolicy(policy, overrides) if overrides else policy
 
 
-def _dynaquant_extras(policy: object) -> dict:
-    policy = getattr(policy, "inner", policy)
-    if not isinstance(policy, DynaQuant):
+def _dynaquant_extras(used: list) -> dict:
+    """Search cost and entropy-stage figures summed over the policies of a run's processes."""
+    used = [getattr(policy, "inner", policy) for policy in used]
+    used = [policy for policy in used if isinstance(policy, DynaQuant)]
+    if not used:
         return {}
-    log = policy.search_log
-    stats = policy.entropy_stats
+    log = [record for policy in used for record in policy.search_log]
+    stats = EntropyStats()
+    for policy in used:
+        part = policy.entropy_stats
+        stats.symbols += part.symbols
+        stats.payload_bytes += part.payload_bytes
+        stats.table_bytes += part.table_bytes
+        stats.entropy_bits += part.entropy_bits
+        stats.parts += part.parts
     return {
         "search_evaluations": sum(r.evaluations for r in log),
         "search_seconds": sum(r.seconds for r in log),
@@ -348,15 +362,16 @@ def main(argv: list[str]) -> int:
             for spec in specs:
                 policy = build_probe_policy(spec)
                 started = time.perf_counter()
+                used: list = []
                 with tempfile.TemporaryDirectory() as folder:
                     run = run_with_failures(
                         workload, seed, args.quick, policy, Path(folder) / "run",
-                        failures=args.failures, full_every=args.full_every,
+                        failures=args.failures, full_every=args.full_every, on_new_policy=used.append,
                     ).to_dict()
                 metrics = run_metrics(run, reference)
                 row = {"workload": workload, "seed": seed, "policy": spec, **metrics,
                        "metric": run["evaluation"]["value"], "class_bytes": run["class_bytes"],
-                       "seconds": time.perf_counter() - started, **_dynaquant_extras(policy)}
+                       "seconds": time.perf_counter() - started, **_dynaquant_extras(used)}
                 results.append(row)
                 print(
                     f"{workload:>18} s{seed} {spec:<40} deg {metrics['deg_pct']:+6.2f}%  "

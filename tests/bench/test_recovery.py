@@ -51,3 +51,21 @@ def test_rows_spread_over_seeds(tiny: str, tmp_path) -> None:
     per_seed = [run_metrics(r, ref)["cr_full"] for r, ref in zip(runs, references)]
     assert row["cr_full"]["min"] == min(per_seed) and row["cr_full"]["max"] == max(per_seed)
     assert len(row["per_checkpoint_ratio"]) == 11
+
+
+def test_every_simulated_process_gets_a_policy_without_memory(tiny: str, tmp_path) -> None:
+    """A crash loses the policy's memory too: each process starts from the options alone."""
+    from inshrinkerator.bench.recovery import fresh_policy
+    from inshrinkerator.policies import DynaQuant
+
+    given = DynaQuant(tolerance=0.004)
+    used: list = []
+    run = run_with_failures(tiny, 0, True, given, tmp_path / "run", on_new_policy=used.append)
+    assert len(used) == 1 + len(run.restores)  # the first process and one per crash
+    assert all(policy is not given and policy == given for policy in used)  # same options
+    assert len({id(policy) for policy in used}) == len(used)
+    assert given.search_log == []  # the caller's object was never used
+    assert all(policy.search_log for policy in used[:-1])  # each process saved and searched
+    fresh = fresh_policy(used[0])
+    assert fresh == given and fresh.search_log == []
+    assert fresh_policy("lossless") == "lossless"

@@ -11,6 +11,7 @@ again (the data of a step is a function of the step, so they see the same batche
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -183,6 +184,20 @@ def run_reference(
     )
 
 
+def fresh_policy(policy: Union[str, Policy]) -> Union[str, Policy]:
+    """A policy as a new process would build it: the same options, no memory of saves.
+
+    Dataclass policies are rebuilt from their options (their memory fields are not init
+    arguments); another object may offer ``fresh()``; anything else is assumed stateless.
+    """
+    if isinstance(policy, str):
+        return policy
+    if dataclasses.is_dataclass(policy):
+        return dataclasses.replace(policy)
+    fresh = getattr(policy, "fresh", None)
+    return fresh() if callable(fresh) else policy
+
+
 def run_with_failures(
     name: str,
     seed: int,
@@ -192,15 +207,25 @@ def run_with_failures(
     failures: int = 10,
     full_every: int = 10,
     advance: Optional[Advance] = None,
+    on_new_policy: Optional[Callable[[Union[str, Policy]], None]] = None,
 ) -> PolicyRunResult:
     """Train ``name`` checkpointing with ``policy`` into ``run_dir`` (must be empty or absent),
-    crash ``failures`` times and resume each time from the latest checkpoint."""
+    crash ``failures`` times and resume each time from the latest checkpoint.
+
+    Each simulated process gets its own copy of ``policy`` as it was before the run (a crash
+    loses the policy's memory too); ``on_new_policy`` sees every copy, e.g. to sum search
+    logs."""
     workload = make_workload(name, seed, quick)
     size = workload.size
     pending = failure_steps(size.total_steps, failures)
-
+    # A crash loses everything in memory, the policy's too (a stateful policy such as
+    # DynaQuant remembers its last configuration): every new "process" starts from a copy
+    # of the policy as it was before the run.
     def open_manager() -> CheckpointManager:
-        manager = CheckpointManager(str(run_dir), policy=policy, full_every=full_every)
+        fresh = fresh_policy(policy)
+        if on_new_policy is not None:
+            on_new_policy(fresh)
+        manager = CheckpointManager(str(run_dir), policy=fresh, full_every=full_every)
         manager.watch(workload.model)
         return manager
 
