@@ -20,7 +20,7 @@ from .errors import CheckpointNotFoundError, FormatError
 from .info import SaveInfo
 from .policies import Policy, resolve_policy
 from .serialize import ProgressCallback, read_state, reference_map, write_state
-from .store.remote_errors import TranslatingHandle, translated
+from .store.remote_errors import TranslatingHandle, abort_upload, translated
 
 __all__ = ["save", "load", "open_container", "PathLike"]
 
@@ -113,17 +113,7 @@ def _write_whole(destination: str, produce: Callable[[IO[bytes]], T]) -> T:
             handle.close()  # completes the upload
             fs.cp_file(temporary, path)  # one atomic replace (a server-side copy on object stores)
     except BaseException:
-        # Closing would complete the upload with partial content: abort it instead.
-        discard = getattr(handle, "discard", None)
-        if callable(discard) and not handle.closed:
-            try:
-                discard()
-            except Exception:  # noqa: BLE001 - the store may be unreachable: the write's error counts
-                pass
-        try:
-            handle.closed = True  # discarded: closing (even by the finalizer) must not upload
-        except AttributeError:
-            pass
+        abort_upload(handle)
         _remove_quietly(fs, temporary)
         raise
     _remove_quietly(fs, temporary)  # the file is in place: a temporary left behind is only clutter

@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import IO, Any, Optional
 
-__all__ = ["translated", "as_storage_error", "TranslatingHandle"]
+__all__ = ["translated", "as_storage_error", "TranslatingHandle", "abort_upload"]
 
 _CHECK_ENDPOINT = (
     "check the endpoint URL (e.g. AWS_ENDPOINT_URL or the storage options' endpoint_url), the "
@@ -127,3 +127,22 @@ class TranslatingHandle:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def abort_upload(handle: Any) -> None:
+    """Abandon an fsspec write handle whose content is incomplete, so nothing is uploaded.
+
+    Closing would complete the upload with partial content: discard it instead, and mark it
+    closed so that no later close (the finalizer's included) uploads it. A store that cannot
+    be reached while aborting is ignored: the write's own error is the one that counts.
+    """
+    discard = getattr(handle, "discard", None)
+    if callable(discard):
+        try:
+            discard()
+        except Exception:  # noqa: BLE001 - the write's error counts, not the abort's
+            pass
+    try:
+        handle.closed = True
+    except AttributeError:
+        pass

@@ -28,7 +28,7 @@ from typing import IO, TypeVar, Union
 import fsspec
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, FormatError
-from .remote_errors import TranslatingHandle, translated
+from .remote_errors import TranslatingHandle, abort_upload, translated
 
 __all__ = [
     "RunStorage",
@@ -245,17 +245,7 @@ class FsspecRunStorage(RunStorage):
                 result = produce(TranslatingHandle(handle, where))  # type: ignore[arg-type]
                 handle.close()  # completes the upload; if that fails, it is aborted below too
         except BaseException:
-            # Closing would complete the upload with partial content: abort instead.
-            discard = getattr(handle, "discard", None)
-            if callable(discard):
-                try:
-                    discard()
-                except Exception:  # noqa: BLE001 - the store may be unreachable: the write's error counts
-                    pass
-            try:
-                handle.closed = True  # discarded: closing (even by the finalizer) must not upload
-            except AttributeError:
-                pass
+            abort_upload(handle)
             try:
                 self.remove(name)
             except Exception:  # noqa: BLE001 - an unreferenced leftover; the next writer removes it
