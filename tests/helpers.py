@@ -90,3 +90,18 @@ def check_codec_roundtrip(codec: Codec, tensor: torch.Tensor, reference: torch.T
     decoded = rebuilt.decode([bytes(memoryview(s).cast("B")) for s in encoded.streams], params, TensorSpec.of(tensor), reference)
     assert decoded.dtype == tensor.dtype and decoded.shape == tensor.shape
     return decoded
+
+
+def point_aws_at_loopback(patch: Any, port: int) -> None:
+    """Dummy credentials and an endpoint on 127.0.0.1:``port`` for botocore/s3fs (a local
+    S3-compatible server), set through ``patch`` (a pytest ``MonkeyPatch``); no profile."""
+    for key, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_SESSION_TOKEN": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "NO_PROXY": "127.0.0.1,localhost",
+    }.items():
+        patch.setenv(key, value)
+    patch.delenv("AWS_PROFILE", raising=False)

@@ -31,7 +31,7 @@ from inshrinkerator.store import manager as manager_module  # noqa: E402
 from inshrinkerator.store.manifest import RUN_MARKER, manifest_name  # noqa: E402
 from inshrinkerator.store.storage import open_storage  # noqa: E402
 
-from ..helpers import assert_same  # noqa: E402
+from ..helpers import assert_same, point_aws_at_loopback  # noqa: E402
 from .run_damage import step_state  # noqa: E402
 
 BUCKET = "ink-outage"
@@ -130,18 +130,9 @@ def s3() -> Iterator[S3Server]:
     server.start()
     try:
         with pytest.MonkeyPatch.context() as patch:
-            for key, value in {
-                "AWS_ACCESS_KEY_ID": "testing",
-                "AWS_SECRET_ACCESS_KEY": "testing",
-                "AWS_SESSION_TOKEN": "testing",
-                "AWS_DEFAULT_REGION": "us-east-1",
-                "AWS_ENDPOINT_URL": f"http://127.0.0.1:{server.port}",
-                "NO_PROXY": "127.0.0.1,localhost",
-                "AWS_MAX_ATTEMPTS": "1",
-                "AWS_RETRY_MODE": "standard",
-            }.items():
-                patch.setenv(key, value)
-            patch.delenv("AWS_PROFILE", raising=False)
+            point_aws_at_loopback(patch, server.port)
+            patch.setenv("AWS_MAX_ATTEMPTS", "1")
+            patch.setenv("AWS_RETRY_MODE", "standard")
             patch.setattr(s3fs.S3FileSystem, "retries", 1)
             patch.setattr(s3fs.core.S3File, "retries", 1)
             # 5 MiB parts (the S3 minimum): a 6 MiB data file is a multipart upload

@@ -15,7 +15,7 @@ from inshrinkerator.store import CheckpointManager, describe_run, is_run, verify
 from inshrinkerator.store.manifest import data_name  # noqa: E402
 from inshrinkerator.store.storage import FsspecRunStorage, open_storage  # noqa: E402
 
-from ..helpers import assert_same  # noqa: E402
+from ..helpers import assert_same, point_aws_at_loopback  # noqa: E402
 from .support import state_for  # noqa: E402
 
 BUCKET = "ink-runs"
@@ -37,16 +37,7 @@ def s3_bucket():
     server.start()
     try:
         with pytest.MonkeyPatch.context() as env:
-            for key, value in {
-                "AWS_ACCESS_KEY_ID": "testing",
-                "AWS_SECRET_ACCESS_KEY": "testing",
-                "AWS_SESSION_TOKEN": "testing",
-                "AWS_DEFAULT_REGION": "us-east-1",
-                "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
-                "NO_PROXY": "127.0.0.1,localhost",
-            }.items():
-                env.setenv(key, value)
-            env.delenv("AWS_PROFILE", raising=False)
+            point_aws_at_loopback(env, port)
             s3fs.S3FileSystem.clear_instance_cache()
             s3fs.S3FileSystem().mkdir(BUCKET)
             yield f"s3://{BUCKET}"
