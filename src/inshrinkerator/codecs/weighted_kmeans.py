@@ -102,8 +102,7 @@ def weighted_kmeans_1d(
     end = torch.tensor([points.numel()], device=points.device)
     cuts = None
     for _ in range(iterations):
-        boundaries = (centroids[1:] + centroids[:-1]) / 2
-        new_cuts = torch.cat([torch.searchsorted(points, boundaries, right=True), end])
+        new_cuts = _cluster_ends(points, centroids, end)
         if cuts is not None and torch.equal(new_cuts, cuts):
             break
         cuts = new_cuts
@@ -112,6 +111,18 @@ def weighted_kmeans_1d(
         moment = moment_prefix[cuts] - moment_prefix[starts]
         # An empty cluster keeps its position; the final cleanup drops it.
         centroids = torch.sort(torch.where(mass > 0, moment / mass.clamp_min(1e-300), centroids)).values
-    used = torch.unique(nearest_level(points, centroids))
+    # The clusters that hold a point (what nearest_level would assign), from the cuts: a
+    # search per boundary instead of one per point (bucketize over thousands of points
+    # starts a thread team per call, which costs milliseconds on a busy machine).
+    ends = _cluster_ends(points, centroids, end)
+    sizes = ends - torch.cat([end.new_zeros(1), ends[:-1]])
+    used = torch.nonzero(sizes > 0).reshape(-1)
     # Means of clusters of tiny values (e.g. 1e-114 and 1e-213) can round to the same value.
     return torch.unique(centroids[used])
+
+
+def _cluster_ends(points: torch.Tensor, centroids: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
+    """One past the last of the sorted ``points`` nearest each of the sorted ``centroids``
+    (ties go to the lower centroid, as in :func:`nearest_level`)."""
+    boundaries = (centroids[1:] + centroids[:-1]) / 2
+    return torch.cat([torch.searchsorted(points, boundaries, right=True), end])

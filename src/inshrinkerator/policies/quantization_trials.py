@@ -23,8 +23,8 @@ import torch
 
 from ..codecs.dynaquant import magnitude_thresholds
 from ..codecs.log_sketch import ALPHA, MAGNITUDE_KEYS, SIGNED_KEYS, magnitude_keys, signed_keys
-from ..codecs.nonuniform_quantizer import LINEAR, LevelTable, fit_centroids, key_centres, make_level_table
-from ..codecs.weighted_kmeans import nearest_level
+from ..codecs.nonuniform_quantizer import FIRST_NON_FINITE_KEY, LINEAR, LevelTable, key_centres, make_level_table
+from ..codecs.weighted_kmeans import histogram_sample_weights, weighted_kmeans_1d
 
 __all__ = ["TrialConfig", "TrialResult", "WeightTrial", "MAGNITUDE", "SENSITIVITY", "quantile_key"]
 
@@ -151,23 +151,30 @@ class WeightTrial:
             self._cache[key] = mask
         return self._cache[key]  # type: ignore[return-value]
 
-    def run(self, config: TrialConfig, prune_threshold: int, init: Optional[torch.Tensor] = None) -> TrialResult:
-        """Thresholds, masks, levels, proxy error and size estimate of ``config``.
+    def _protect_above(self, fraction: float) -> int:
+        key = ("protect_above", fraction)
+        if key not in self._cache:
+            self._cache[key] = magnitude_thresholds(self.counts, 0.0, fraction)[1]
+        return self._cache[key]  # type: ignore[return-value]
 
-        ``prune_threshold`` is the layer type's key threshold for ``config.prune``: a
-        magnitude key (magnitude metric) or a sensitivity key (sensitivity metric);
-        elements with a smaller key are pruned.
+    def _kept(
+        self,
+        prune_below: int,
+        protect_above: int,
+        prune_mask: Optional[torch.Tensor],
+        protect_mask: Optional[torch.Tensor],
+        mask_key: tuple,
+    ) -> "_KeptHistogram":
+        """What stays after pruning and protecting, as the occupied buckets only.
+
+        Shared by every trial with the same thresholds and masks (they differ in bins and
+        warm start only), so the dense passes over the key space run once per threshold pair.
         """
-        cache_key = ("run", config.bins, config.metric, prune_threshold, config.protect)
-        if cache_key in self._cache:
-            return self._cache[cache_key]  # type: ignore[return-value]
-        _, protect_above = magnitude_thresholds(self.counts, 0.0, config.protect)
-        use_sensitivity = config.metric == SENSITIVITY and self.has_sensitivity
-        prune_below = 1 if use_sensitivity else max(prune_threshold, 1)
+        key = ("kept", prune_below, protect_above, mask_key)
+        if key in self._cache:
+            return self._cache[key]  # type: ignore[return-value]
         pruned_buckets = _MAGNITUDE_OF_KEY < prune_below
         protected_buckets = _MAGNITUDE_OF_KEY > protect_above
-        prune_mask = self._sensitivity_prune(prune_threshold) if use_sensitivity else None
-        protect_mask = self._sensitivity_protect(config.protect)
         if prune_mask is None and protect_mask is None:
             # Magnitude decides alone: whole buckets are pruned (error x^2) or protected (~0).
             removed = pruned_buckets | protected_buckets
@@ -178,59 +185,129 @@ class WeightTrial:
             pruned_count = float(torch.where(pruned_buckets, self.counts, 0).sum())
             protected_count = float(torch.where(protected_buckets, self.counts, 0).sum())
         else:
-            key = ("masks", prune_threshold if use_sensitivity else -1, prune_below, protect_above, config.protect)
-            if key not in self._cache:
-                magnitude = self.keys & (MAGNITUDE_KEYS - 1)
-                protected = magnitude > protect_above
-                if protect_mask is not None:
-                    protected |= protect_mask
-                pruned = (magnitude < prune_below) & ~protected
-                if prune_mask is not None:
-                    pruned |= prune_mask & ~protected
-                kept_counts, kept_mass = self._histogram_of(~(protected | pruned))
-                self._cache[key] = (
-                    kept_counts, kept_mass, self._histogram_of(pruned)[0],
-                    float(pruned.sum()), float(protected.sum()),
-                )
-            counts, mass, pruned_counts, pruned_count, protected_count = self._cache[key]  # type: ignore[misc]
+            magnitude = self.keys & (MAGNITUDE_KEYS - 1)
+            protected = magnitude > protect_above
+            if protect_mask is not None:
+                protected |= protect_mask
+            pruned = (magnitude < prune_below) & ~protected
+            if prune_mask is not None:
+                pruned |= prune_mask & ~protected
+            counts, mass = self._histogram_of(~(protected | pruned))
+            pruned_counts = self._histogram_of(pruned)[0]
+            pruned_count, protected_count = float(pruned.sum()), float(protected.sum())
         # Pruned elements are weighted by the tensor's mean proxy weight, not their own: a
         # weight whose gradient is small now (a tiny Fisher estimate) need not stay
         # unimportant, and zeroing many of them at once moves the model coherently.
         pruned_plain = float((pruned_counts.double() * self._centres**2).sum()) * (1 + _SPREAD)
         counts = counts.clamp_min(0)
+        occupied = torch.nonzero(counts).reshape(-1)
+        kept = _KeptHistogram(
+            occupied, self._centres[occupied], counts[occupied], mass[occupied].clamp_min(0),
+            pruned_plain, pruned_count, protected_count, self.sigma,
+        )
+        self._cache[key] = kept
+        return kept
+
+    def run(self, config: TrialConfig, prune_threshold: int, init: Optional[torch.Tensor] = None) -> TrialResult:
+        """Thresholds, masks, levels, proxy error and size estimate of ``config``.
+
+        ``prune_threshold`` is the layer type's key threshold for ``config.prune``: a
+        magnitude key (magnitude metric) or a sensitivity key (sensitivity metric);
+        elements with a smaller key are pruned.
+        """
+        cache_key = ("run", config.bins, config.metric, prune_threshold, config.protect)
+        if cache_key in self._cache:
+            return self._cache[cache_key]  # type: ignore[return-value]
+        protect_above = self._protect_above(config.protect)
+        use_sensitivity = config.metric == SENSITIVITY and self.has_sensitivity
+        prune_below = 1 if use_sensitivity else max(prune_threshold, 1)
+        prune_mask = self._sensitivity_prune(prune_threshold) if use_sensitivity else None
+        protect_mask = self._sensitivity_protect(config.protect)
+        mask_key = (prune_threshold if use_sensitivity and prune_mask is not None else -1, config.protect
+                    if protect_mask is not None else -1)
+        kept = self._kept(prune_below, protect_above, prune_mask, protect_mask, mask_key)
         if init is None:
             init = self._seeds.get(config.bins)
-        centroids = fit_centroids(counts, config.bins, self.sigma, LINEAR, init)
+        centroids = kept.fit(config.bins, init)
         if centroids.numel() == config.bins:
             self._seeds[config.bins] = centroids  # warm start for this save's other trials
         table = make_level_table(centroids, LINEAR, prune_below, protect_above)
         # Only the kept buckets carry mass here: their nearest centroid is all that matters.
-        occupied = torch.nonzero(counts).reshape(-1)
-        centres = self._centres[occupied]
-        if centroids.numel():
-            chosen = centroids.double()[nearest_level(centres, centroids.double())]
-        else:
-            chosen = torch.zeros_like(centres)
-        squared = (centres - chosen) ** 2 + _SPREAD * centres**2
-        rounding_plain = float((counts[occupied].double() * squared).sum())
-        rounding_weighted = float((mass[occupied].clamp_min(0) * squared).sum())
+        levels = centroids.double()
+        nearest = kept.nearest(levels) if centroids.numel() else torch.zeros_like(kept.keys)
+        chosen = levels[nearest] if centroids.numel() else torch.zeros_like(kept.centres)
+        squared = (kept.centres - chosen) ** 2 + _SPREAD * kept.centres**2
+        rounding_plain = float((kept.counts.double() * squared).sum())
+        rounding_weighted = float((kept.mass * squared).sum())
         # Both the plain and the Fisher-weighted relative error must stay small: the
         # Fisher estimate of a few training steps can be far from what a (pretrained)
         # model needs everywhere.
+        pruned_plain = kept.pruned_plain
         error = (PRUNE_PENALTY * pruned_plain + rounding_plain) / max(self.total_plain, 1e-300)
         if self.weights is not None:
             weighted = (PRUNE_PENALTY * self.mean_weight * pruned_plain + rounding_weighted) / max(self.total, 1e-300)
             error = max(error, weighted)
-        id_counts = torch.bincount(
-            nearest_level(centres, centroids.double()) if centroids.numel() else torch.zeros_like(occupied),
-            weights=counts[occupied].double(), minlength=max(centroids.numel(), 1),
-        )
-        id_counts = torch.cat([id_counts, torch.tensor([float(pruned_count), float(protected_count)])])
+        id_counts = torch.bincount(nearest, weights=kept.counts.double(), minlength=max(centroids.numel(), 1))
+        id_counts = torch.cat([id_counts, torch.tensor([kept.pruned_count, kept.protected_count])])
         probabilities = id_counts[id_counts > 0] / max(float(id_counts.sum()), 1.0)
         entropy = float(-(probabilities * torch.log2(probabilities)).sum()) * self.numel
         result = TrialResult(
-            table, prune_mask, protect_mask, max(error, 0.0), entropy + 16 * protected_count + 32 * table.count,
-            pruned_plain,
+            table, prune_mask, protect_mask, max(error, 0.0),
+            entropy + 16 * kept.protected_count + 32 * table.count, pruned_plain,
         )
         self._cache[cache_key] = result
         return result
+
+
+class _KeptHistogram:
+    """The occupied buckets that a prune / protect setting keeps, in key order.
+
+    Args:
+        keys: the occupied signed keys; centres, counts, mass: theirs.
+        pruned_plain, pruned_count, protected_count: what the setting removes.
+        sigma: k-means sample-weight balance.
+    """
+
+    def __init__(
+        self,
+        keys: torch.Tensor,
+        centres: torch.Tensor,
+        counts: torch.Tensor,
+        mass: torch.Tensor,
+        pruned_plain: float,
+        pruned_count: float,
+        protected_count: float,
+        sigma: float,
+    ) -> None:
+        self.keys, self.centres, self.counts, self.mass = keys, centres, counts, mass
+        self.pruned_plain, self.pruned_count, self.protected_count = pruned_plain, pruned_count, protected_count
+        # fit_centroids' linear-domain points: the non-zero, finite buckets.
+        usable = (keys != 0) & (keys != MAGNITUDE_KEYS) & torch.isfinite(centres)
+        usable &= (keys & (MAGNITUDE_KEYS - 1)) < FIRST_NON_FINITE_KEY
+        self._points = centres[usable]
+        self._weights = histogram_sample_weights(self._points, counts[usable], sigma) if bool(usable.any()) else None
+        self._order = torch.argsort(centres)
+        self._sorted = centres[self._order]
+
+    def fit(self, bins: int, init: Optional[torch.Tensor]) -> torch.Tensor:
+        """What ``fit_centroids(kept histogram, bins, sigma, LINEAR, init)`` returns, from the
+        occupied buckets alone (no pass over the whole key space)."""
+        if self._weights is None:
+            return torch.empty(0, dtype=torch.float32)
+        start = init.detach().cpu().double() if init is not None else None
+        centroids = weighted_kmeans_1d(self._points, self._weights, bins, init=start)
+        centroids = torch.unique(centroids.to(torch.float32))
+        return centroids[(centroids != 0) & torch.isfinite(centroids)]
+
+    def nearest(self, levels: torch.Tensor) -> torch.Tensor:
+        """``nearest_level(centres, levels)``: one search per boundary over the sorted centres
+        instead of one per bucket (a per-bucket search starts a thread team per call)."""
+        index = torch.zeros_like(self.keys)
+        if levels.numel() > 1:
+            boundaries = (levels[1:] + levels[:-1]) / 2
+            # A centre lies above boundary j exactly when its sorted position is at least the
+            # number of centres up to that boundary.
+            ends = torch.searchsorted(self._sorted, boundaries, right=True)
+            above = torch.cumsum(torch.bincount(ends, minlength=self._sorted.numel() + 1), 0)[:-1]
+            index[self._order] = above
+        return index
