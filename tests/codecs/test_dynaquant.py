@@ -154,3 +154,13 @@ def test_encoding_is_deterministic() -> None:
     first = DynaQuantDeltaCodec(bins=8, stickiness=0.5).encode(states[1], states[0])
     second = DynaQuantDeltaCodec(bins=8, stickiness=0.5).encode(states[1], states[0])
     assert first.streams == second.streams and same_bits(first.reconstruction, second.reconstruction)
+
+
+def test_goldens_hold_every_stream_version() -> None:
+    versions = set()
+    for case in golden_cases("dynaquant") + golden_cases("dynaquant_delta"):
+        version = (case / "stream0.bin").read_bytes()[0]
+        old = case.name.startswith(("v1_", "v2_"))
+        assert version == (int(case.name[1]) if old else 3), case.name
+        versions.add(version)
+    assert versions == {1, 2, 3}

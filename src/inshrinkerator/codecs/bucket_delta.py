@@ -21,23 +21,26 @@ cannot pay (the runs are too short); the per-element values are then coded as
 they are (the ids themselves without a prediction), which also makes decoding a
 single pass.
 
-Entropy stage: symbols that fit a byte are coded as one zstd frame with
-Huffman-coded literals (:func:`.entropy.huffman_frame`, ~1 GB/s both ways,
-about 1% above the order-0 entropy on these streams); the order-0 ANS stage
-(:func:`.entropy.encode_symbols`, ~0.1% above it, but ~100x slower) is used
+Entropy stage: symbols that fit a byte are Huffman-coded by zstd, one symbol
+per byte (:func:`.entropy.huffman_frame`) or, for low-entropy streams where
+Huffman's one-bit floor would cost 10-100%, two or four symbols per byte
+(:mod:`.symbol_tuples`); both run at ~1 GB/s both ways, and the smaller of the two
+candidates tried is kept (on bucket-id streams tuples often code below the
+order-0 entropy of the single symbols). The order-0 ANS stage
+(:func:`.entropy.encode_symbols`, ~0.1% above the bound, but ~100x slower) is used
 for larger alphabets, for small streams where it is smaller, and for any stream
-where Huffman coding would be more than ``HUFFMAN_SLACK`` (5%) above the order-0
-bound.
+where the Huffman candidates would be more than ``HUFFMAN_SLACK`` (5%) above the
+order-0 bound.
 
 Stream layout (little-endian; ``varint`` is unsigned LEB128)::
 
     u8 mode (bits 0-1: 0 plain, 1 predicted, 2 rearranged; bit 2: direct layout;
-    bit 3: Huffman frame, else ANS), u16 levels, u16 run symbol,
+    bit 3: Huffman frame; bit 4: symbol tuples; neither: ANS), u16 levels, u16 run symbol,
     varint symbols, varint entropy-coded bytes, varint extra bits,
     entropy-coded symbols, extra-bit bytes
 
 Streams without the layout and coder bits (run tokens, ANS) are the format of
-DynaQuant stream version 1 and still decode.
+DynaQuant stream version 1 and still decode; bit 4 is new in version 3.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ import torch
 
 from ..errors import CorruptCheckpointError, FormatError
 from .entropy import decode_symbols, encode_symbols, expand_frame, huffman_frame
+from .symbol_tuples import decode_symbol_tuples, encode_symbol_tuples, tuple_header_bytes
 from .varint import decode_varint, encode_varint
 from .zero_runs import from_run_tokens, to_run_tokens, token_alphabet
 
@@ -60,13 +64,22 @@ __all__ = [
     "REARRANGED",
     "MAX_LEVELS",
     "EntropyStats",
+    "ANS",
+    "HUFFMAN",
+    "TUPLES",
     "id_dtype",
     "encode_bucket_ids",
     "decode_bucket_ids",
 ]
 
 PLAIN, PREDICTED, REARRANGED = 0, 1, 2
-_MODE_MASK, _DIRECT, _HUFFMAN = 3, 4, 8
+#: The entropy coders of the symbols (the mode byte's bits 3 and 4).
+ANS, HUFFMAN, TUPLES = 0, 1, 2
+_MODE_MASK, _DIRECT, _HUFFMAN, _TUPLES = 3, 4, 8, 16
+_CODER_FLAGS = {ANS: 0, HUFFMAN: _HUFFMAN, TUPLES: _TUPLES}
+# Below this many bits per symbol Huffman's one-bit floor makes tuples pay: tuples of 4 and 2
+# are tried; above it, pairs and single symbols.
+_TUPLES_BELOW_BITS = 3.5
 MAX_LEVELS = 1 << 12
 #: Huffman coding is used while it stays within this fraction above the order-0 bound (the
 #: issue-5 bound on the entropy stage; ~1% is typical, small alphabets of skewed deltas reach 3-5%).
@@ -134,40 +147,62 @@ def _byte_symbols(symbols: torch.Tensor) -> Any:
     return symbols.to(device="cpu", dtype=torch.uint8).contiguous().numpy()
 
 
-def encode_id_symbols(symbols: torch.Tensor, alphabet: int) -> tuple[bool, bytes]:
-    """``(huffman, data)``: ``symbols`` (in ``[0, alphabet)``) coded by the cheaper adequate coder.
+def encode_id_symbols(symbols: torch.Tensor, alphabet: int) -> tuple[int, bytes]:
+    """``(coder, data)``: ``symbols`` (in ``[0, alphabet)``) coded by the cheaper adequate coder.
 
-    Huffman (zstd) when the alphabet fits a byte and its output stays within
-    :data:`HUFFMAN_SLACK` of the order-0 bound (small streams: when it is not larger than
-    the ANS stage's); otherwise the ANS stage.
+    When the alphabet fits a byte: the smaller of two Huffman candidates (symbol tuples of 4
+    and 2 below :data:`_TUPLES_BELOW_BITS` bits per symbol, else pairs and single symbols),
+    if it stays within :data:`HUFFMAN_SLACK` of the order-0 bound (small streams: when it is
+    not larger than the ANS stage's output); otherwise the ANS stage.
     """
     count = symbols.numel()
     if alphabet <= 256 and count:
-        frame = huffman_frame(_byte_symbols(symbols))
+        counts = torch.bincount(symbols.reshape(-1).cpu(), minlength=alphabet)
+        bound = _entropy_bits(counts) / 8
+        best: Optional[tuple[int, bytes]] = None
+        for size in (4, 2) if 8 * bound < _TUPLES_BELOW_BITS * count else (2, 1):
+            if size == 1:
+                candidate = (HUFFMAN, huffman_frame(_byte_symbols(symbols)))
+            else:
+                candidate = (TUPLES, encode_symbol_tuples(symbols, counts, size))
+            if best is None or len(candidate[1]) < len(best[1]):
+                best = candidate
+        assert best is not None
         if count <= _SMALL_STREAM:
             coded = encode_symbols(symbols, alphabet)
-            return (True, frame) if len(frame) <= len(coded) else (False, coded)
-        bound = _entropy_bits(torch.bincount(symbols.reshape(-1), minlength=alphabet)) / 8
-        if len(frame) <= (1 + HUFFMAN_SLACK) * bound + 64:
-            return True, frame
-    return False, encode_symbols(symbols, alphabet)
+            return best if len(best[1]) <= len(coded) else (ANS, coded)
+        if len(best[1]) <= (1 + HUFFMAN_SLACK) * bound + 64:
+            return best
+    return ANS, encode_symbols(symbols, alphabet)
 
 
-def decode_id_symbols(data: Any, huffman: bool, count: int, alphabet: int) -> torch.Tensor:
+def coded_table_bytes(coder: int, data: bytes) -> int:
+    """The bytes of ``data`` (from :func:`encode_id_symbols`) that are not coded symbols."""
+    if coder == HUFFMAN:
+        return 0
+    if coder == TUPLES:
+        return tuple_header_bytes(data)
+    return _SYMBOLS_HEAD.size + _SYMBOLS_HEAD.unpack_from(data)[2]
+
+
+def decode_id_symbols(data: Any, coder: int, count: int, alphabet: int) -> torch.Tensor:
     """Inverse of :func:`encode_id_symbols`: ``count`` symbols (uint8 from Huffman, else int64).
 
     Raises:
         CorruptCheckpointError / FormatError: the data does not hold ``count`` symbols below
             ``alphabet``.
     """
-    if huffman:
+    if coder != ANS:
         if alphabet > 256:
             raise FormatError(f"bucket-id stream: a Huffman frame cannot hold an alphabet of {alphabet}")
         if count == 0:
             if len(data):
                 raise CorruptCheckpointError("bucket-id stream: an empty Huffman frame holds data")
             return torch.empty(0, dtype=torch.uint8)
-        symbols = torch.frombuffer(bytearray(expand_frame(data, count)), dtype=torch.uint8)
+        if coder == TUPLES:
+            symbols = decode_symbol_tuples(data, count)
+        else:
+            symbols = torch.frombuffer(bytearray(expand_frame(data, count)), dtype=torch.uint8)
     else:
         symbols = decode_symbols(data, count)
     if symbols.numel() and int(symbols.max()) >= alphabet:
@@ -252,18 +287,18 @@ def encode_bucket_ids(
             values = values.index_select(0, permutation)
         runs = to_run_tokens(positions, values, count, levels)
         candidates.append((0, runs.tokens, runs.extra_bits, runs.extra_bit_count))
-    best: Optional[tuple[int, torch.Tensor, bytes, int, bool, bytes]] = None
+    best: Optional[tuple[int, torch.Tensor, bytes, int, int, bytes]] = None
     for layout, symbols, extra, extra_count in candidates:
         alphabet = levels if layout == _DIRECT else token_alphabet(levels)
-        huffman, coded = encode_id_symbols(symbols, alphabet)
+        coder, coded = encode_id_symbols(symbols, alphabet)
         if best is None or len(coded) + len(extra) < len(best[5]) + len(best[2]):
-            best = (layout, symbols, extra, extra_count, huffman, coded)
+            best = (layout, symbols, extra, extra_count, coder, coded)
     assert best is not None  # one of the two ranges always applies
-    layout, symbols, extra, extra_count, huffman, coded = best
+    layout, symbols, extra, extra_count, coder, coded = best
     if stats is not None:
         alphabet = levels if layout == _DIRECT else token_alphabet(levels)
-        stats.add(symbols, alphabet, coded, 0 if huffman else None)
-    flags = mode | layout | (_HUFFMAN if huffman else 0)
+        stats.add(symbols, alphabet, coded, coded_table_bytes(coder, coded))
+    flags = mode | layout | _CODER_FLAGS[coder]
     head = _HEAD.pack(flags, levels, run_symbol if layout != _DIRECT else 0) + b"".join(
         encode_varint(n) for n in (symbols.numel(), len(coded), extra_count)
     )
@@ -283,7 +318,8 @@ def decode_bucket_ids(
     if len(view) < _HEAD.size:
         raise CorruptCheckpointError("bucket-id stream is shorter than its header")
     flags, stored_levels, run_symbol = _HEAD.unpack_from(view)
-    mode, direct, huffman = flags & _MODE_MASK, bool(flags & _DIRECT), bool(flags & _HUFFMAN)
+    mode, direct = flags & _MODE_MASK, bool(flags & _DIRECT)
+    coder = TUPLES if flags & _TUPLES else HUFFMAN if flags & _HUFFMAN else ANS
     symbol_count, cursor = decode_varint(view, _HEAD.size)
     coded_bytes, cursor = decode_varint(view, cursor)
     extra_bits, cursor = decode_varint(view, cursor)
@@ -291,7 +327,8 @@ def decode_bucket_ids(
         stored_levels != levels
         or run_symbol >= levels
         or mode not in (PLAIN, PREDICTED, REARRANGED)
-        or flags & ~(_MODE_MASK | _DIRECT | _HUFFMAN)
+        or flags & ~(_MODE_MASK | _DIRECT | _HUFFMAN | _TUPLES)
+        or flags & _HUFFMAN and flags & _TUPLES
     ):
         raise FormatError(
             f"bucket-id stream (mode {flags:#x}, {stored_levels} levels) does not fit {levels} levels"
@@ -307,7 +344,7 @@ def decode_bucket_ids(
     if direct and (symbol_count != count or extra_bits):
         raise CorruptCheckpointError("bucket-id stream: a direct layout holds one symbol per id")
     alphabet = levels if direct else token_alphabet(levels)
-    symbols = decode_id_symbols(view[cursor : cursor + coded_bytes], huffman, symbol_count, alphabet)
+    symbols = decode_id_symbols(view[cursor : cursor + coded_bytes], coder, symbol_count, alphabet)
     dtype = id_dtype(levels)
     if direct:
         if mode == PLAIN:

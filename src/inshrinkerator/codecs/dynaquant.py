@@ -19,7 +19,7 @@ masks (e.g. by sensitivity) and the tensor's sketch keys through
 
 Stream layout (one stream, little-endian; ``varint`` is unsigned LEB128)::
 
-    u8 version (2; version 1 still decodes), u8 flags (bit 0: log domain, bit 1: protected values in fp16, else bf16),
+    u8 version (3; versions 1 and 2 still decode), u8 flags (bit 0: log domain, bit 1: protected values in fp16, else bf16),
     u16 values (n, incl. the zero level), u16 zero index, u16 prune below, u16 protect above,
     u32 reference fingerprint (0 for a full tensor), varint protected count,
     f32[n] level values, protected values (2 bytes each), id stream (the rest)
@@ -56,9 +56,10 @@ from .varint import decode_varint, encode_varint
 __all__ = ["DynaQuantCodec", "DynaQuantDeltaCodec", "magnitude_thresholds", "predicted_ids", "reference_fingerprint"]
 
 _LAYOUT = struct.Struct("<BBHHHHI")
-_VERSION = 2
-# Version 1 streams (run tokens and ANS only) are a subset of version 2 and still decode.
-_READABLE_VERSIONS = (1, 2)
+_VERSION = 3
+# Version 1 streams (run tokens and ANS only) and version 2 (direct layout, Huffman) are
+# subsets of version 3 (symbol tuples) and still decode.
+_READABLE_VERSIONS = (1, 2, 3)
 _LOG_FLAG, _FP16_FLAG = 1, 2
 _MAX_BINS = 1024
 #: Deltas of tensors up to this size are regrouped by predicted bucket (the sort pays off

@@ -13,8 +13,9 @@ predictions and the stream, in every mode and layout), because the codecs only u
 the un-rearranged mode for tensors too large to keep in the repository.
 
 Cases named ``v1_*`` hold streams of DynaQuant stream version 1 (run tokens and ANS
-only), written by the version of this script at that format; this script cannot
-write them any more, and the tests check that they still decode.
+only) and ``v2_*`` of version 2 (direct layout and Huffman, no symbol tuples), written
+by the version of this script at that format; this script cannot write them any more,
+and the tests check that they still decode.
 """
 
 from __future__ import annotations

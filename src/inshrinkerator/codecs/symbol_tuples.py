@@ -1,0 +1,138 @@
+"""Huffman coding of low-entropy symbols in tuples: several symbols per coded byte.
+
+zstd's Huffman coder (:func:`.entropy.huffman_frame`) spends at least one bit on
+every byte, so it cannot code symbols of ~1 bit each anywhere near their
+entropy. Here ``size`` consecutive symbols (2 or 4) form one byte, in base
+``radix`` (16 or 4: ``radix ** size == 256``): the ``radix - 1`` most frequent
+symbols are digits of their own and every other symbol is the *escape* digit,
+its value sent in a second Huffman frame. A byte then carries 2-4x the
+information of one symbol, which brings Huffman within a few percent of the
+symbols' order-0 entropy (on real bucket-id streams often below it: a byte also
+captures what neighbouring symbols have in common), at Huffman's speed: ~100x
+faster than the ANS stage both ways. Decoding is one table lookup per byte.
+
+Layout: ``u8 size, u8 direct`` (digits that stand for a symbol), the ``direct``
+symbols (one byte each, digit order), ``varint escapes, varint tuple-frame
+bytes``, the tuple frame (``ceil(count / size)`` bytes: the first symbol in the
+most significant digit, the last byte padded with digit 0), the escape frame
+(the escaped symbols, one byte each; absent without escapes).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..errors import CorruptCheckpointError
+from .entropy import expand_frame, huffman_frame
+from .varint import decode_varint, encode_varint
+
+__all__ = ["TUPLE_SIZES", "encode_symbol_tuples", "decode_symbol_tuples", "tuple_header_bytes"]
+
+#: Symbols per byte, and the digit radix of each.
+TUPLE_SIZES = {2: 16, 4: 4}
+# One table entry per byte value packs its ``size`` symbols into one integer of this dtype.
+_PACKED = {2: torch.int16, 4: torch.int32}
+
+
+def _digit_table(size: int, radix: int) -> torch.Tensor:
+    """(256, size) uint8: the digits of every byte value, most significant first."""
+    values = torch.arange(256, dtype=torch.int64).reshape(-1, 1)
+    powers = radix ** torch.arange(size - 1, -1, -1, dtype=torch.int64)
+    return ((values // powers) % radix).to(torch.uint8)
+
+
+def encode_symbol_tuples(symbols: torch.Tensor, counts: torch.Tensor, size: int) -> bytes:
+    """Code ``symbols`` (integers below 256, any dtype) in tuples of ``size``.
+
+    ``counts``: the symbols' histogram (``bincount``), which ranks them.
+    """
+    if size not in TUPLE_SIZES:
+        raise ValueError(f"tuple size must be one of {sorted(TUPLE_SIZES)}, got {size}")
+    radix = TUPLE_SIZES[size]
+    flat = symbols.reshape(-1).cpu()
+    counts = counts.cpu()
+    if counts.numel() > 256:
+        if bool((counts[256:] > 0).any()):
+            raise ValueError("tuple coding takes symbols below 256")
+        counts = counts[:256]
+    present = int((counts > 0).sum())
+    direct = present if present <= radix else radix - 1
+    ranked = torch.argsort(-counts.long(), stable=True)[:direct]
+    # digit of every symbol value: its rank among the direct symbols, else the escape digit.
+    digit_of = torch.full((256,), radix - 1, dtype=torch.uint8)
+    digit_of[ranked] = torch.arange(direct, dtype=torch.uint8)
+    digits = digit_of.index_select(0, flat.to(torch.int32))
+    escaped = b""
+    escape_count = 0
+    if present > direct:
+        escaped_mask = digits == radix - 1
+        values = flat.masked_select(escaped_mask).to(torch.uint8)
+        escape_count = values.numel()
+        escaped = huffman_frame(values.numpy())
+    padding = (-digits.numel()) % size
+    if padding:
+        digits = torch.cat([digits, torch.zeros(padding, dtype=torch.uint8)])
+    columns = digits.reshape(-1, size)
+    packed = columns[:, 0].clone()
+    for column in range(1, size):
+        # Horner in uint8: every partial value stays below radix ** size = 256.
+        packed.mul_(radix).add_(columns[:, column])
+    frame = huffman_frame(packed.numpy())
+    head = bytes([size, direct]) + bytes(ranked.to(torch.uint8).tolist())
+    return b"".join([head, encode_varint(escape_count), encode_varint(len(frame)), frame, escaped])
+
+
+def tuple_header_bytes(data: Any) -> int:
+    """The bytes of an :func:`encode_symbol_tuples` output before its frames (the symbol table)."""
+    view = memoryview(data).cast("B")
+    _, cursor = decode_varint(view, 2 + view[1])
+    return decode_varint(view, cursor)[1]
+
+
+def decode_symbol_tuples(data: Any, count: int) -> torch.Tensor:
+    """Inverse of :func:`encode_symbol_tuples`: the ``count`` symbols as uint8.
+
+    Raises:
+        CorruptCheckpointError: the data is damaged or does not hold ``count`` symbols.
+    """
+    view = memoryview(data).cast("B")
+    if len(view) < 2 or view[0] not in TUPLE_SIZES:
+        raise CorruptCheckpointError("symbol tuples: the header is damaged")
+    size, direct = view[0], view[1]
+    radix = TUPLE_SIZES[size]
+    if not 1 <= direct <= radix or len(view) < 2 + direct:
+        raise CorruptCheckpointError("symbol tuples: the header is damaged")
+    symbols_of = torch.frombuffer(bytearray(view[2 : 2 + direct]), dtype=torch.uint8)
+    escape_count, cursor = decode_varint(view, 2 + direct)
+    frame_bytes, cursor = decode_varint(view, cursor)
+    if cursor + frame_bytes > len(view) or escape_count > count or (escape_count and direct != radix - 1):
+        raise CorruptCheckpointError("symbol tuples: sizes do not match the header")
+    is_direct = torch.zeros(256, dtype=torch.bool)
+    is_direct[symbols_of.long()] = True
+    if int(is_direct.sum()) != direct:
+        raise CorruptCheckpointError("symbol tuples: a symbol has two digits")
+    # Escapes decode first to a placeholder no direct symbol has, then get their values.
+    marker = int(torch.nonzero(~is_direct)[0]) if direct < 256 else 0
+    digit_symbols = torch.full((radix,), marker, dtype=torch.uint8)
+    digit_symbols[:direct] = symbols_of
+    table = digit_symbols.index_select(0, _digit_table(size, radix).reshape(-1).int())
+    table = table.reshape(256, size).view(_PACKED[size]).reshape(-1)
+    packed_count = -(-count // size)
+    packed = torch.frombuffer(bytearray(expand_frame(view[cursor : cursor + frame_bytes], packed_count)), dtype=torch.uint8)
+    symbols = table.index_select(0, packed.int()).view(torch.uint8)[:count]
+    escapes_at = cursor + frame_bytes
+    if escape_count:
+        values = torch.frombuffer(bytearray(expand_frame(view[escapes_at:], escape_count)), dtype=torch.uint8)
+        if bool(is_direct.index_select(0, values.int()).any()):
+            raise CorruptCheckpointError("symbol tuples: an escaped symbol has a digit of its own")
+        positions = torch.nonzero(symbols == marker).reshape(-1)
+        if positions.numel() != escape_count:
+            raise CorruptCheckpointError("symbol tuples: escapes do not match their digits")
+        symbols.index_put_((positions,), values)
+    elif escapes_at != len(view):
+        raise CorruptCheckpointError("symbol tuples: bytes follow the tuple frame")
+    elif direct < radix and bool((symbols == marker).any()):
+        raise CorruptCheckpointError("symbol tuples: a digit stands for no symbol")
+    return symbols
