@@ -213,8 +213,10 @@ def decode_id_symbols(data: Any, coder: int, count: int, alphabet: int) -> torch
 def _cyclic_difference(ids: torch.Tensor, base: torch.Tensor, levels: int) -> torch.Tensor:
     """``(ids - base) mod levels`` elementwise, for ids and base in ``[0, levels)``."""
     if levels <= 128 and ids.dtype == base.dtype == torch.uint8:
-        # ids + (levels - base) < 256: three passes over bytes.
-        return torch.remainder(ids + (levels - base), levels)
+        # In wrapping uint8 arithmetic d = ids - base is the result when ids >= base, and
+        # d + levels otherwise (d then wraps to above 128 > d + levels): the smaller of the two.
+        difference = ids - base
+        return torch.minimum(difference, difference + levels)
     difference = ids.to(torch.int16) - base.to(torch.int16)
     return torch.where(difference < 0, difference + levels, difference)
 
@@ -222,7 +224,9 @@ def _cyclic_difference(ids: torch.Tensor, base: torch.Tensor, levels: int) -> to
 def _cyclic_sum(base: torch.Tensor, values: torch.Tensor, levels: int) -> torch.Tensor:
     """``(base + values) mod levels`` elementwise, for both in ``[0, levels)``."""
     if levels <= 128 and base.dtype == values.dtype == torch.uint8:
-        return torch.remainder(base + values, levels)  # the sum stays below 256
+        # The sum s stays below 256; s - levels wraps to above 128 > s when s < levels.
+        total = base + values
+        return torch.minimum(total, total - levels)
     total = base.to(torch.int16) + values.to(torch.int16)
     return torch.where(total >= levels, total - levels, total)
 

@@ -37,7 +37,7 @@ import torch
 from ..errors import BrokenChainError, CorruptCheckpointError, FormatError
 from .base import Codec, Encoded, TensorSpec
 from .bucket_delta import MAX_LEVELS, EntropyStats, decode_bucket_ids, encode_bucket_ids
-from .log_sketch import MAGNITUDE_KEYS, SIGNED_KEYS, signed_keys
+from .log_sketch import MAGNITUDE_KEYS, MANTISSA_BITS, SIGNED_KEYS, signed_keys
 from .nonuniform_quantizer import (
     DOMAINS,
     FIRST_NON_FINITE_KEY,
@@ -78,10 +78,19 @@ def reference_fingerprint(reference: torch.Tensor) -> int:
     return crc or 1
 
 
+def _signed_keys(values: torch.Tensor) -> torch.Tensor:
+    # log_sketch.signed_keys with the mask applied in place: one int32 tensor, not two.
+    flat = values.detach().reshape(-1)
+    if flat.dtype != torch.float32:
+        return signed_keys(flat)
+    keys = flat.contiguous().view(torch.int32) >> (23 - MANTISSA_BITS)
+    return keys.bitwise_and_(SIGNED_KEYS - 1)
+
+
 def predicted_ids(table: LevelTable, reference: torch.Tensor) -> torch.Tensor:
     """The id every element of ``reference`` gets under ``table`` (what a delta is coded against)."""
     flat = reference.detach().reshape(-1)
-    return table.lookup(flat.device).index_select(0, signed_keys(flat))
+    return table.lookup(flat.device).index_select(0, _signed_keys(flat))
 
 
 def magnitude_thresholds(counts: torch.Tensor, prune: float, protect: float) -> tuple[int, int]:
@@ -265,7 +274,7 @@ class DynaQuantCodec(Codec):
         fingerprint = 0
         if reference is not None:
             fingerprint = reference_fingerprint(reference)
-            predicted = lookup.index_select(0, signed_keys(reference))
+            predicted = lookup.index_select(0, _signed_keys(reference))
             changed = torch.nonzero(ids != predicted).reshape(-1)
             if self.stickiness > 0 and changed.numel():
                 keep = stick_to_predicted(flat, changed, ids, predicted, table, self.stickiness)
@@ -335,8 +344,13 @@ class DynaQuantCodec(Codec):
             protected = torch.empty(0, dtype=protected_dtype)
         predicted = None if reference is None else predicted_ids(table, reference)
         ids = decode_bucket_ids(view[protected_end:], table.count, spec.numel, predicted)
-        positions = torch.nonzero(ids == table.protect_id).reshape(-1)
-        if positions.numel() != protected_count:
+        positions = None
+        if protected_count:
+            positions = torch.nonzero(ids == table.protect_id).reshape(-1)
+            mismatch = positions.numel() != protected_count
+        else:  # the protect id is the largest: a maximum is much cheaper than a comparison
+            mismatch = bool(ids.numel()) and int(ids.max()) == table.protect_id
+        if mismatch:
             raise CorruptCheckpointError(f"{self.codec_id}: protected ids and values disagree")
         return reconstruct(ids, table, protected, spec.dtype, spec.shape, positions)
 
