@@ -17,7 +17,13 @@ from typing import Optional
 
 import torch
 
-__all__ = ["histogram_sample_weights", "kmeans_plus_plus_1d", "weighted_kmeans_1d", "nearest_level"]
+__all__ = [
+    "histogram_sample_weights",
+    "kmeans_plus_plus_1d",
+    "weighted_kmeans_1d",
+    "nearest_level",
+    "float32_levels",
+]
 
 
 def histogram_sample_weights(centres: torch.Tensor, counts: torch.Tensor, sigma: float) -> torch.Tensor:
@@ -126,3 +132,17 @@ def _cluster_ends(points: torch.Tensor, centroids: torch.Tensor, end: torch.Tens
     (ties go to the lower centroid, as in :func:`nearest_level`)."""
     boundaries = (centroids[1:] + centroids[:-1]) / 2
     return torch.cat([torch.searchsorted(points, boundaries, right=True), end])
+
+
+def float32_levels(
+    points: torch.Tensor, weights: torch.Tensor, k: int, init: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """Sorted distinct non-zero finite float32 levels of :func:`weighted_kmeans_1d`.
+
+    The linear-domain step of ``nonuniform_quantizer.fit_centroids`` for buckets already
+    selected (non-zero, finite, in key order) with their sample weights: callers that keep
+    the occupied buckets of a histogram fit on them without a pass over the key space.
+    """
+    start = init.detach().cpu().double() if init is not None else None
+    centroids = torch.unique(weighted_kmeans_1d(points, weights, k, init=start).to(torch.float32))
+    return centroids[(centroids != 0) & torch.isfinite(centroids)]

@@ -56,9 +56,10 @@ from ..codecs._parallel import parallel_map
 from ..codecs.bucket_delta import EntropyStats
 from ..codecs.dynaquant import DynaQuantCodec, DynaQuantDeltaCodec
 from ..codecs.factored_moment import FactoredMomentCodec, factored_shape
-from ..codecs.dynaquant import kept_counts, magnitude_thresholds
+from ..codecs.dynaquant import magnitude_thresholds
 from ..codecs.log_sketch import MAGNITUDE_KEYS, SIGNED_KEYS, magnitude_keys, signed_keys
-from ..codecs.nonuniform_quantizer import FIRST_NON_FINITE_KEY, LINEAR, LOG, fit_centroids
+from ..codecs.nonuniform_quantizer import FIRST_NON_FINITE_KEY, LOG, fit_centroids, key_centres
+from ..codecs.weighted_kmeans import float32_levels, histogram_sample_weights
 from ..tree import TensorLeaf, format_key_path
 from .base import Policy
 from .dynaquant_search import ConfigurationCube, Point
@@ -573,18 +574,32 @@ def _zero_level_hints_for(counts: torch.Tensor, bins: int, sigma: float) -> dict
     3x larger than the largest true step, and the failure runs lost half the accuracy).
     Rounded to 0, such an entry's momentum only restarts.
     """
-    magnitude = counts[:MAGNITUDE_KEYS] + counts[MAGNITUDE_KEYS:]
-    folded = torch.cat([magnitude, torch.zeros_like(magnitude)])  # all mass on the + side
+    magnitude = counts[:MAGNITUDE_KEYS] + counts[MAGNITUDE_KEYS:]  # all mass on the + side
+    # The occupied non-zero finite buckets, in key order: every fit below is on a suffix of
+    # them (what fit_centroids would select from the folded histogram, without its passes
+    # over the whole key space).
+    keys = torch.nonzero(magnitude[:FIRST_NON_FINITE_KEY]).reshape(-1)
+    keys = keys[keys != 0]
+    centres = key_centres()[keys]
+    keys, centres = keys[torch.isfinite(centres)], centres[torch.isfinite(centres)]
+    occupied = magnitude[keys]
+
+    def fit(start: int, init: Optional[torch.Tensor]) -> torch.Tensor:
+        kept = keys >= start
+        if not bool(kept.any()):
+            return torch.empty(0, dtype=torch.float32)
+        weights = histogram_sample_weights(centres[kept], occupied[kept], sigma)
+        return float32_levels(centres[kept], weights, half, init)
+
     half = max(bins // 2, 1)
-    levels = fit_centroids(folded, half, sigma)
+    levels = fit(0, None)
     if levels.numel() == 0:
         return {}
     prune_below = 1
     for _ in range(2):  # refit on what stays: the zero cell grows with the smallest level
         smallest = float(levels.abs().min())
         prune_below = max(int(magnitude_keys(torch.tensor([smallest / 2]))[0]), 1)
-        kept = kept_counts(folded, prune_below, FIRST_NON_FINITE_KEY - 1)
-        refitted = fit_centroids(kept, half, sigma, LINEAR, levels if levels.numel() == half else None)
+        refitted = fit(prune_below, levels if levels.numel() == half else None)
         if refitted.numel() == 0:
             break
         levels = refitted

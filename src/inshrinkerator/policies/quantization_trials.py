@@ -24,7 +24,7 @@ import torch
 from ..codecs.dynaquant import magnitude_thresholds
 from ..codecs.log_sketch import ALPHA, MAGNITUDE_KEYS, SIGNED_KEYS, magnitude_keys, signed_keys
 from ..codecs.nonuniform_quantizer import FIRST_NON_FINITE_KEY, LINEAR, LevelTable, key_centres, make_level_table
-from ..codecs.weighted_kmeans import histogram_sample_weights, weighted_kmeans_1d
+from ..codecs.weighted_kmeans import float32_levels, histogram_sample_weights
 
 __all__ = ["TrialConfig", "TrialResult", "WeightTrial", "MAGNITUDE", "SENSITIVITY", "quantile_key"]
 
@@ -294,10 +294,7 @@ class _KeptHistogram:
         occupied buckets alone (no pass over the whole key space)."""
         if self._weights is None:
             return torch.empty(0, dtype=torch.float32)
-        start = init.detach().cpu().double() if init is not None else None
-        centroids = weighted_kmeans_1d(self._points, self._weights, bins, init=start)
-        centroids = torch.unique(centroids.to(torch.float32))
-        return centroids[(centroids != 0) & torch.isfinite(centroids)]
+        return float32_levels(self._points, self._weights, bins, init)
 
     def nearest(self, levels: torch.Tensor) -> torch.Tensor:
         """``nearest_level(centres, levels)``: one search per boundary over the sorted centres
