@@ -51,6 +51,7 @@ from .nonuniform_quantizer import (
     stick_to_predicted,
 )
 from .registry import register_codec
+from .scratch import scratch
 from .varint import decode_varint, encode_varint
 
 __all__ = ["DynaQuantCodec", "DynaQuantDeltaCodec", "magnitude_thresholds", "predicted_ids", "reference_fingerprint"]
@@ -79,11 +80,13 @@ def reference_fingerprint(reference: torch.Tensor) -> int:
 
 
 def _signed_keys(values: torch.Tensor) -> torch.Tensor:
-    # log_sketch.signed_keys with the mask applied in place: one int32 tensor, not two.
+    # log_sketch.signed_keys into a scratch buffer, the mask applied in place (the keys are
+    # consumed at once by a table lookup).
     flat = values.detach().reshape(-1)
     if flat.dtype != torch.float32:
         return signed_keys(flat)
-    keys = flat.contiguous().view(torch.int32) >> (23 - MANTISSA_BITS)
+    keys = scratch("keys", flat.numel(), torch.int32, flat.device)
+    torch.bitwise_right_shift(flat.contiguous().view(torch.int32), 23 - MANTISSA_BITS, out=keys)
     return keys.bitwise_and_(SIGNED_KEYS - 1)
 
 

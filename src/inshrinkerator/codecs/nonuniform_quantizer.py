@@ -33,6 +33,7 @@ import torch
 
 from .bucket_delta import id_dtype
 from .log_sketch import MAGNITUDE_KEYS, SIGNED_KEYS, LogHistogram, signed_key_centres, signed_keys
+from .scratch import scratch
 from .weighted_kmeans import histogram_sample_weights, weighted_kmeans_1d
 
 __all__ = [
@@ -290,7 +291,9 @@ def reconstruct(
     """The dequantized tensor: level values by id, protected elements from ``protected_values``."""
     ids = ids.reshape(-1)
     values = torch.cat([table.values, torch.zeros(1, dtype=torch.float32)]).to(device=ids.device, dtype=dtype)
-    out = values.index_select(0, ids if ids.dtype in (torch.int32, torch.int64) else ids.int())
+    if ids.dtype not in (torch.int32, torch.int64):
+        ids = scratch("ids", ids.numel(), torch.int32, ids.device).copy_(ids)
+    out = values.index_select(0, ids)
     if protected_values.numel():
         if protected_positions is None:
             protected_positions = torch.nonzero(ids == table.protect_id).reshape(-1)

@@ -19,6 +19,7 @@ import torch
 
 from ..codecs._parallel import parallel_map
 from ..codecs.registry import get_codec
+from ..codecs.scratch import reusing_scratch
 from ..errors import CorruptCheckpointError, FormatError, InkError
 from .format import PREAMBLE, Header, TensorRecord, aligned, parse_header, unpack_preamble
 
@@ -183,7 +184,8 @@ class ContainerReader:
             except BaseException as exc:  # reported in record order below
                 return _Failure(exc)
 
-        results = parallel_map(one, sorted(range(len(records)), key=lambda i: -records[i].spec.nbytes))
+        with reusing_scratch():  # large decoding temporaries reuse their buffers within the batch
+            results = parallel_map(one, sorted(range(len(records)), key=lambda i: -records[i].spec.nbytes))
         by_record: list[Any] = [None] * len(records)
         for index, result in zip(sorted(range(len(records)), key=lambda i: -records[i].spec.nbytes), results):
             by_record[index] = result
