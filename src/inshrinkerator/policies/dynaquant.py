@@ -44,6 +44,7 @@ Per checkpoint:
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -334,7 +335,11 @@ class DynaQuant(Policy):
             return None
         started = time.perf_counter()
         keys = {i: format_key_path(leaves[i].path) for i in indices}
-        trials = {i: self._trial(leaves, layout, i) for i in indices}
+        # Sketching reads every element of every weight: the tensors are shared out between
+        # threads (largest first); the dict keeps the leaf order the search depends on.
+        by_size = sorted(indices, key=lambda i: -leaves[i].tensor.numel())
+        sketched = dict(zip(by_size, parallel_map(lambda i: self._trial(leaves, layout, i), by_size)))
+        trials = {i: sketched[i] for i in indices}
         init = {i: self._memory.centroids[keys[i]] for i in indices if keys[i] in self._memory.centroids}
         budget = self.tolerance * (PROXY_SCALE if self.evaluate is None else 1.0)
         inflation = 1.0
@@ -489,42 +494,58 @@ class DynaQuant(Policy):
         eligible: list[bool],
         codecs: list[Codec],
     ) -> None:
-        for index, role in enumerate(layout.roles):
-            if not eligible[index] or role not in (*_FIRST_ORDER, TensorRole.SECOND_MOMENT):
-                continue
-            tensor = leaves[index].tensor.detach()
-            key = format_key_path(leaves[index].path)
-            if role is TensorRole.SECOND_MOMENT and self._factored(tensor):
-                codecs[index] = FactoredMomentCodec()
-                continue
-            keys = signed_keys(tensor)
-            counts = torch.bincount(keys, minlength=SIGNED_KEYS).cpu()
-            if role in _FIRST_ORDER:
-                codec: DynaQuantCodec = DynaQuantCodec(bins=self.moment_bins, prune=0.0, protect=0.0, sigma=self.sigma)
-                second = layout.entry_moments(index).get(TensorRole.SECOND_MOMENT)
-                partner = leaves[second].tensor if second is not None else None
-                extra: dict[str, Any] = self._first_moment_hints(tensor, keys, counts, role, partner)
-                bins = self.moment_bins
-            else:
-                reference = _usable_reference(tensor, references[index])
-                codec_type = DynaQuantDeltaCodec if reference is not None else DynaQuantCodec
-                # The largest entries are the most active parameters: a level below their
-                # value would make their restored steps too large, so they are protected.
-                # Half the stickiness: a second moment held above its value slows those
-                # parameters down until it is replaced.
-                codec = codec_type(
-                    bins=self.second_moment_bins, prune=0.0, protect=SECOND_MOMENT_PROTECT, domain=LOG,
-                    sigma=0.5, stickiness=self.stickiness / 2,
-                )
-                extra = {}
-                bins = self.second_moment_bins
-            init = self._memory.centroids.get(key)
-            codec = codec.with_hints(
-                keys=keys, counts=counts, init=init if init is not None and init.numel() == bins else None,
-                stats=self._memory.entropy, **extra,
-            )
+        # Each moment is sketched (every element read) on its own: shared out between threads,
+        # largest first; codecs and warm-start bookkeeping are assigned in leaf order.
+        items = [
+            (index, role) for index, role in enumerate(layout.roles)
+            if eligible[index] and role in (*_FIRST_ORDER, TensorRole.SECOND_MOMENT)
+        ]
+        items.sort(key=lambda item: -leaves[item[0]].tensor.numel())
+        planned = parallel_map(lambda item: self._plan_moment(leaves, references, layout, *item), items)
+        for (index, _), codec in sorted(zip(items, planned), key=lambda pair: pair[0][0]):
             codecs[index] = codec
-            self._memory.pending[key] = codec
+            if isinstance(codec, DynaQuantCodec):
+                self._memory.pending[format_key_path(leaves[index].path)] = codec
+
+    def _plan_moment(
+        self,
+        leaves: Sequence[TensorLeaf],
+        references: Sequence[Optional[torch.Tensor]],
+        layout: StateLayout,
+        index: int,
+        role: TensorRole,
+    ) -> Codec:
+        """The codec of one first or second moment (reads the policy's memory, never writes it)."""
+        tensor = leaves[index].tensor.detach()
+        key = format_key_path(leaves[index].path)
+        if role is TensorRole.SECOND_MOMENT and self._factored(tensor):
+            return FactoredMomentCodec()
+        keys = signed_keys(tensor)
+        counts = torch.bincount(keys, minlength=SIGNED_KEYS).cpu()
+        if role in _FIRST_ORDER:
+            codec: DynaQuantCodec = DynaQuantCodec(bins=self.moment_bins, prune=0.0, protect=0.0, sigma=self.sigma)
+            second = layout.entry_moments(index).get(TensorRole.SECOND_MOMENT)
+            partner = leaves[second].tensor if second is not None else None
+            extra: dict[str, Any] = self._first_moment_hints(tensor, keys, counts, role, partner)
+            bins = self.moment_bins
+        else:
+            reference = _usable_reference(tensor, references[index])
+            codec_type = DynaQuantDeltaCodec if reference is not None else DynaQuantCodec
+            # The largest entries are the most active parameters: a level below their
+            # value would make their restored steps too large, so they are protected.
+            # Half the stickiness: a second moment held above its value slows those
+            # parameters down until it is replaced.
+            codec = codec_type(
+                bins=self.second_moment_bins, prune=0.0, protect=SECOND_MOMENT_PROTECT, domain=LOG,
+                sigma=0.5, stickiness=self.stickiness / 2,
+            )
+            extra = {}
+            bins = self.second_moment_bins
+        init = self._memory.centroids.get(key)
+        return codec.with_hints(
+            keys=keys, counts=counts, init=init if init is not None and init.numel() == bins else None,
+            stats=self._memory.entropy, **extra,
+        )
 
     def _factored(self, tensor: torch.Tensor) -> bool:
         if self.second_moment != "factored" or factored_shape(tuple(tensor.shape)) is None:
@@ -633,10 +654,11 @@ class _WeightPlan:
         for index in self.indices:
             trial = self.trials[index]
             difference = encoded[index].reconstruction.reshape(-1).float() - trial.flat.float()
-            finite = torch.isfinite(difference)
-            if not bool(finite.all()):  # non-finite weights are stored exactly (protected)
-                difference = torch.where(finite, difference, 0.0)
-            error = float(torch.dot(difference, difference)) / max(trial.total_plain, 1e-300)
+            plain = float(torch.dot(difference, difference))
+            if not math.isfinite(plain):  # non-finite weights are stored exactly (protected)
+                difference = torch.where(torch.isfinite(difference), difference, 0.0)
+                plain = float(torch.dot(difference, difference))
+            error = plain / max(trial.total_plain, 1e-300)
             if trial.weights is not None:
                 weighted = float(torch.dot(difference * trial.weights, difference))
                 error = max(error, weighted / max(trial.total, 1e-300))
