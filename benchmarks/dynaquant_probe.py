@@ -10,7 +10,8 @@ close the entropy stage came to the order-0 entropy of its symbols.
 
 Probe-only spec options (prefixed ``@``; any base policy) measure the noise floor and
 ablate DynaQuant: ``@weights=``, ``@first=``, ``@second=`` replace what the base policy
-plans for that tensor class with ``exact`` (lossless), ``bf16``, ``fp16`` or ``trunc<n>``
+plans for that tensor class (``@weights_full=``: the weights of checkpoints stored with
+no reference only) with ``exact`` (lossless), ``bf16``, ``fp16`` or ``trunc<n>``
 (float32 with its lowest ``n`` mantissa bits rounded away), so
 ``lossless:@weights=bf16`` perturbs only the weights, by bf16 rounding, and
 ``dynaquant:@first=exact,@second=exact`` shows what the weights alone cost. A
@@ -52,6 +53,7 @@ _CLASS_ROLES = {
     "weights": (TensorRole.WEIGHT,),
     "first": (TensorRole.FIRST_MOMENT, TensorRole.MOMENTUM_BUFFER),
     "second": (TensorRole.SECOND_MOMENT,),
+    "weights_full": (TensorRole.WEIGHT,),  # weights, at checkpoints with no reference only
 }
 
 
@@ -106,7 +108,10 @@ class ProbePolicy(Policy):
         codecs = self.inner.plan(leaves, references)
         exact = Lossless().plan(leaves, references)
         roles = layout_of(leaves).roles
+        full = all(reference is None for reference in references)
         for cls, mode in self.overrides.items():
+            if cls == "weights_full" and not full:
+                continue
             for i, (leaf, role) in enumerate(zip(leaves, roles)):
                 if role not in _CLASS_ROLES[cls] or not leaf.tensor.dtype.is_floating_point:
                     continue
