@@ -54,7 +54,8 @@ import torch
 
 from ..errors import CorruptCheckpointError, FormatError
 from .entropy import decode_symbols, encode_symbols, expand_frame, huffman_frame
-from .symbol_tuples import decode_symbol_tuples, encode_symbol_tuples, tuple_header_bytes
+from .symbol_tuples import TUPLE_SIZES, decode_symbol_tuples, encode_symbol_tuples, tuple_header_bytes
+from .scratch import reusing_scratch
 from .varint import decode_varint, encode_varint
 from .zero_runs import from_run_tokens, to_run_tokens, token_alphabet
 
@@ -80,6 +81,8 @@ _CODER_FLAGS = {ANS: 0, HUFFMAN: _HUFFMAN, TUPLES: _TUPLES}
 # Below this many bits per symbol Huffman's one-bit floor makes tuples pay: tuples of 4 and 2
 # are tried; above it, pairs and single symbols.
 _TUPLES_BELOW_BITS = 3.5
+# Tuple sizes are tried only while at most this share of the symbols must escape.
+_MAX_ESCAPES = 0.25
 MAX_LEVELS = 1 << 12
 #: Huffman coding is used while it stays within this fraction above the order-0 bound (the
 #: issue-5 bound on the entropy stage; ~1% is typical, small alphabets of skewed deltas reach 3-5%).
@@ -115,10 +118,19 @@ class EntropyStats:
     # Tensors are encoded on several threads at once.
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def add(self, tokens: torch.Tensor, alphabet: int, coded: bytes, table: Optional[int] = None) -> None:
+    def add(
+        self,
+        tokens: torch.Tensor,
+        alphabet: int,
+        coded: bytes,
+        table: Optional[int] = None,
+        bits: Optional[float] = None,
+    ) -> None:
         """Count ``tokens`` coded as ``coded``, of which ``table`` bytes are not payload
-        (default: the ANS stage's header and count table)."""
-        bits = _entropy_bits(torch.bincount(tokens.reshape(-1), minlength=alphabet))
+        (default: the ANS stage's header and count table); ``bits``: their order-0 entropy,
+        when the caller has it."""
+        if bits is None:
+            bits = _entropy_bits(torch.bincount(tokens.reshape(-1), minlength=alphabet))
         if table is None:
             table = _SYMBOLS_HEAD.size + _SYMBOLS_HEAD.unpack_from(coded)[2]
         with self._lock:
@@ -147,8 +159,9 @@ def _byte_symbols(symbols: torch.Tensor) -> Any:
     return symbols.to(device="cpu", dtype=torch.uint8).contiguous().numpy()
 
 
-def encode_id_symbols(symbols: torch.Tensor, alphabet: int) -> tuple[int, bytes]:
-    """``(coder, data)``: ``symbols`` (in ``[0, alphabet)``) coded by the cheaper adequate coder.
+def encode_id_symbols(symbols: torch.Tensor, alphabet: int) -> tuple[int, bytes, Optional[float]]:
+    """``(coder, data, bits)``: ``symbols`` (in ``[0, alphabet)``) coded by the cheaper adequate
+    coder, and their order-0 entropy in bits when it was computed (else None).
 
     When the alphabet fits a byte: the smaller of two Huffman candidates (symbol tuples of 4
     and 2 below :data:`_TUPLES_BELOW_BITS` bits per symbol, else pairs and single symbols),
@@ -156,11 +169,17 @@ def encode_id_symbols(symbols: torch.Tensor, alphabet: int) -> tuple[int, bytes]
     not larger than the ANS stage's output); otherwise the ANS stage.
     """
     count = symbols.numel()
+    bits = None
     if alphabet <= 256 and count:
         counts = torch.bincount(symbols.reshape(-1).cpu(), minlength=alphabet)
-        bound = _entropy_bits(counts) / 8
+        bits = _entropy_bits(counts)
+        bound = bits / 8
         best: Optional[tuple[int, bytes]] = None
-        for size in (4, 2) if 8 * bound < _TUPLES_BELOW_BITS * count else (2, 1):
+        sizes = (4, 2) if 8 * bound < _TUPLES_BELOW_BITS * count else (2, 1)
+        ranked = torch.sort(counts, descending=True).values
+        # A tuple size whose escape digit would stand for many symbols does not pay.
+        sizes = [size for size in sizes if size == 1 or int(ranked[TUPLE_SIZES[size] - 1 :].sum()) <= _MAX_ESCAPES * count]
+        for size in sizes or [1]:
             if size == 1:
                 candidate = (HUFFMAN, huffman_frame(_byte_symbols(symbols)))
             else:
@@ -170,10 +189,10 @@ def encode_id_symbols(symbols: torch.Tensor, alphabet: int) -> tuple[int, bytes]
         assert best is not None
         if count <= _SMALL_STREAM:
             coded = encode_symbols(symbols, alphabet)
-            return best if len(best[1]) <= len(coded) else (ANS, coded)
+            return (*best, bits) if len(best[1]) <= len(coded) else (ANS, coded, bits)
         if len(best[1]) <= (1 + HUFFMAN_SLACK) * bound + 64:
-            return best
-    return ANS, encode_symbols(symbols, alphabet)
+            return (*best, bits)
+    return ANS, encode_symbols(symbols, alphabet), bits
 
 
 def coded_table_bytes(coder: int, data: bytes) -> int:
@@ -270,6 +289,21 @@ def encode_bucket_ids(
         run_symbol = 0
         mode = REARRANGED if rearrange else PREDICTED
         positions = changed if changed is not None else torch.nonzero(ids != predicted).reshape(-1)
+    with reusing_scratch():  # the candidates' large temporaries share buffers
+        return _encode_bucket_ids(ids, levels, predicted, rearrange, stats, positions, mode, run_symbol, count)
+
+
+def _encode_bucket_ids(
+    ids: torch.Tensor,
+    levels: int,
+    predicted: Optional[torch.Tensor],
+    rearrange: bool,
+    stats: Optional[EntropyStats],
+    positions: torch.Tensor,
+    mode: int,
+    run_symbol: int,
+    count: int,
+) -> bytes:
     zeros = 1.0 - positions.numel() / count if count else 1.0
     candidates: list[tuple[int, torch.Tensor, bytes, int]] = []  # (layout flag, symbols, extra bits, extra count)
     order = None
@@ -291,17 +325,17 @@ def encode_bucket_ids(
             values = values.index_select(0, permutation)
         runs = to_run_tokens(positions, values, count, levels)
         candidates.append((0, runs.tokens, runs.extra_bits, runs.extra_bit_count))
-    best: Optional[tuple[int, torch.Tensor, bytes, int, int, bytes]] = None
+    best: Optional[tuple[int, torch.Tensor, bytes, int, int, bytes, Optional[float]]] = None
     for layout, symbols, extra, extra_count in candidates:
         alphabet = levels if layout == _DIRECT else token_alphabet(levels)
-        coder, coded = encode_id_symbols(symbols, alphabet)
+        coder, coded, bits = encode_id_symbols(symbols, alphabet)
         if best is None or len(coded) + len(extra) < len(best[5]) + len(best[2]):
-            best = (layout, symbols, extra, extra_count, coder, coded)
+            best = (layout, symbols, extra, extra_count, coder, coded, bits)
     assert best is not None  # one of the two ranges always applies
-    layout, symbols, extra, extra_count, coder, coded = best
+    layout, symbols, extra, extra_count, coder, coded, bits = best
     if stats is not None:
         alphabet = levels if layout == _DIRECT else token_alphabet(levels)
-        stats.add(symbols, alphabet, coded, coded_table_bytes(coder, coded))
+        stats.add(symbols, alphabet, coded, coded_table_bytes(coder, coded), bits)
     flags = mode | layout | _CODER_FLAGS[coder]
     head = _HEAD.pack(flags, levels, run_symbol if layout != _DIRECT else 0) + b"".join(
         encode_varint(n) for n in (symbols.numel(), len(coded), extra_count)

@@ -26,6 +26,7 @@ import torch
 
 from ..errors import CorruptCheckpointError
 from .entropy import expand_frame, huffman_frame
+from .scratch import scratch
 from .varint import decode_varint, encode_varint
 
 __all__ = ["TUPLE_SIZES", "encode_symbol_tuples", "decode_symbol_tuples", "tuple_header_bytes"]
@@ -41,6 +42,25 @@ def _digit_table(size: int, radix: int) -> torch.Tensor:
     values = torch.arange(256, dtype=torch.int64).reshape(-1, 1)
     powers = radix ** torch.arange(size - 1, -1, -1, dtype=torch.int64)
     return ((values // powers) % radix).to(torch.uint8)
+
+
+def _escape_positions(packed: torch.Tensor, digits_or_symbols: torch.Tensor, escape: int, size: int, radix: int) -> torch.Tensor:
+    """Ascending positions of the escapes, found from the packed bytes first.
+
+    The escape digit is the largest (all its bits set), so a few byte-wide ANDs over
+    ``count / size`` bytes find the tuples that hold one; only their ``size`` symbols are
+    then compared with ``escape`` (a full comparison and ``nonzero`` cost ~4x more).
+    """
+    digit_bits = radix.bit_length() - 1
+    marked = packed.clone()
+    for shift in range(1, digit_bits):
+        marked &= packed >> shift
+    marked &= 0x55 if digit_bits == 2 else 0x11  # the lowest bit of every digit
+    tuples = torch.nonzero(marked).reshape(-1)
+    # The padded tail holds digit 0, never an escape; nonzero + index_select beat masks.
+    candidates = (tuples.reshape(-1, 1) * size + torch.arange(size)).reshape(-1)
+    hits = torch.nonzero(digits_or_symbols.index_select(0, candidates) == escape).reshape(-1)
+    return candidates.index_select(0, hits)
 
 
 def encode_symbol_tuples(symbols: torch.Tensor, counts: torch.Tensor, size: int) -> bytes:
@@ -63,23 +83,23 @@ def encode_symbol_tuples(symbols: torch.Tensor, counts: torch.Tensor, size: int)
     # digit of every symbol value: its rank among the direct symbols, else the escape digit.
     digit_of = torch.full((256,), radix - 1, dtype=torch.uint8)
     digit_of[ranked] = torch.arange(direct, dtype=torch.uint8)
-    digits = digit_of.index_select(0, flat.to(torch.int32))
-    escaped = b""
-    escape_count = 0
-    if present > direct:
-        # nonzero + index_select: ~3x faster than masked_select on CPU.
-        positions = torch.nonzero(digits == radix - 1).reshape(-1)
-        values = flat.index_select(0, positions).to(torch.uint8)
-        escape_count = values.numel()
-        escaped = huffman_frame(values.numpy())
-    padding = (-digits.numel()) % size
-    if padding:
-        digits = torch.cat([digits, torch.zeros(padding, dtype=torch.uint8)])
+    count = flat.numel()
+    padding = (-count) % size
+    digits = torch.zeros(count + padding, dtype=torch.uint8)  # padded with digit 0
+    index = scratch("tuple-index", count, torch.int32, flat.device).copy_(flat)
+    torch.index_select(digit_of, 0, index, out=digits[:count])
     columns = digits.reshape(-1, size)
     packed = columns[:, 0].clone()
     for column in range(1, size):
         # Horner in uint8: every partial value stays below radix ** size = 256.
         packed.mul_(radix).add_(columns[:, column])
+    escaped = b""
+    escape_count = 0
+    if present > direct:
+        positions = _escape_positions(packed, digits, radix - 1, size, radix)
+        values = flat.index_select(0, positions).to(torch.uint8)
+        escape_count = values.numel()
+        escaped = huffman_frame(values.numpy())
     frame = huffman_frame(packed.numpy())
     head = bytes([size, direct]) + bytes(ranked.to(torch.uint8).tolist())
     return b"".join([head, encode_varint(escape_count), encode_varint(len(frame)), frame, escaped])
@@ -122,14 +142,15 @@ def decode_symbol_tuples(data: Any, count: int) -> torch.Tensor:
     table = table.reshape(256, size).view(_PACKED[size]).reshape(-1)
     packed_count = -(-count // size)
     packed = torch.frombuffer(bytearray(expand_frame(view[cursor : cursor + frame_bytes], packed_count)), dtype=torch.uint8)
-    symbols = table.index_select(0, packed.int()).view(torch.uint8)[:count]
+    padded = table.index_select(0, packed.int()).view(torch.uint8)
+    symbols = padded[:count]
     escapes_at = cursor + frame_bytes
     if escape_count:
         values = torch.frombuffer(bytearray(expand_frame(view[escapes_at:], escape_count)), dtype=torch.uint8)
         if bool(is_direct.index_select(0, values.int()).any()):
             raise CorruptCheckpointError("symbol tuples: an escaped symbol has a digit of its own")
-        positions = torch.nonzero(symbols == marker).reshape(-1)
-        if positions.numel() != escape_count:
+        positions = _escape_positions(packed, padded, marker, size, radix)
+        if positions.numel() != escape_count or (escape_count and int(positions[-1]) >= count):
             raise CorruptCheckpointError("symbol tuples: escapes do not match their digits")
         symbols.index_put_((positions,), values)
     elif escapes_at != len(view):
