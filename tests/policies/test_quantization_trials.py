@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from inshrinkerator.codecs import DynaQuantCodec
+from inshrinkerator.codecs.log_sketch import ALPHA, MAGNITUDE_KEYS, SIGNED_KEYS
+from inshrinkerator.codecs.nonuniform_quantizer import LINEAR, fit_centroids, key_centres
+from inshrinkerator.codecs.weighted_kmeans import nearest_level
 from inshrinkerator.policies.quantization_trials import (
     MAGNITUDE,
     PRUNE_PENALTY,
@@ -54,3 +59,39 @@ def test_more_bins_and_less_pruning_mean_less_error_and_more_bits() -> None:
     fine = trial.run(TrialConfig(16, 0.0, 0.0), 0)
     assert fine.error < coarse.error and fine.estimated_bits > coarse.estimated_bits
     assert trial.run(TrialConfig(4, 0.3, 0.0), threshold) is coarse  # cached
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 1000),
+    bins=st.sampled_from([1, 4, 16, 48]),
+    prune=st.sampled_from([0.0, 0.3]),
+    protect=st.sampled_from([0.0005, 0.01]),
+    zeros=st.booleans(),
+)
+def test_trial_levels_and_error_match_a_fit_of_the_whole_kept_histogram(
+    seed: int, bins: int, prune: float, protect: float, zeros: bool
+) -> None:
+    # The trial fits on the occupied buckets only; the codec's fit_centroids reads the
+    # whole key space: both must give the same levels, and the error must use the
+    # nearest of them for every bucket.
+    generator = torch.Generator().manual_seed(seed)
+    weights = torch.randn(3000, generator=generator) * 0.05
+    if zeros:
+        weights[::3] = 0.0
+    trial = WeightTrial(weights, "linear", None, None, sigma=1.0)
+    threshold = quantile_key(trial.magnitude_counts, prune)
+    result = trial.run(TrialConfig(bins=bins, prune=prune, protect=protect), threshold)
+    table = result.table
+    magnitude = torch.arange(SIGNED_KEYS) & (MAGNITUDE_KEYS - 1)
+    kept = (magnitude >= table.prune_below) & (magnitude <= table.protect_above)
+    counts = torch.where(kept, trial.counts, 0)
+    assert torch.equal(table.centroids(), fit_centroids(counts, bins, 1.0, LINEAR))
+    occupied = torch.nonzero(counts).reshape(-1)
+    centres = key_centres()[occupied]
+    levels = table.centroids().double()
+    spread = (2.0 * ALPHA) ** 2 / 12.0  # a value's variance inside its bucket
+    chosen = levels[nearest_level(centres, levels)] if levels.numel() else torch.zeros_like(centres)
+    rounding = float((counts[occupied].double() * ((centres - chosen) ** 2 + spread * centres**2)).sum())
+    expected = (PRUNE_PENALTY * result.pruned_error + rounding) / trial.total_plain
+    assert result.error == pytest.approx(expected, rel=1e-12, abs=1e-300)
