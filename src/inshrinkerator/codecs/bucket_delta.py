@@ -275,13 +275,17 @@ def encode_bucket_ids(
         raise ValueError(f"levels must be in [2, {MAX_LEVELS}], got {levels}")
     ids = ids.reshape(-1)
     count = ids.numel()
+    changed_count = None if changed is None else changed.numel()
     if predicted is None:
         mode = PLAIN
-        if run_symbol is None:
-            run_symbol = int(torch.bincount(ids, minlength=levels).argmax()) if count else 0
-        if not 0 <= run_symbol < levels:
+        if run_symbol is not None and not 0 <= run_symbol < levels:
             raise ValueError(f"run symbol {run_symbol} is not an id in [0, {levels})")
-        positions = changed if changed is not None else torch.nonzero(ids != run_symbol).reshape(-1)
+        if run_symbol is None or changed is None:
+            histogram = torch.bincount(ids, minlength=levels) if count else torch.zeros(levels, dtype=torch.long)
+            run_symbol = int(histogram.argmax()) if run_symbol is None else run_symbol
+            # The positions themselves are found only if run tokens are tried.
+            changed_count = count - int(histogram[run_symbol])
+        positions = changed
     else:
         predicted = predicted.reshape(-1)
         if predicted.numel() != count:
@@ -289,22 +293,24 @@ def encode_bucket_ids(
         run_symbol = 0
         mode = REARRANGED if rearrange else PREDICTED
         positions = changed if changed is not None else torch.nonzero(ids != predicted).reshape(-1)
+        changed_count = positions.numel()
     with reusing_scratch():  # the candidates' large temporaries share buffers
-        return _encode_bucket_ids(ids, levels, predicted, rearrange, stats, positions, mode, run_symbol, count)
+        return _encode_bucket_ids(ids, levels, predicted, stats, positions, changed_count, mode, run_symbol, count)
 
 
 def _encode_bucket_ids(
     ids: torch.Tensor,
     levels: int,
     predicted: Optional[torch.Tensor],
-    rearrange: bool,
     stats: Optional[EntropyStats],
-    positions: torch.Tensor,
+    positions: Optional[torch.Tensor],
+    changed_count: int,
     mode: int,
     run_symbol: int,
     count: int,
 ) -> bytes:
-    zeros = 1.0 - positions.numel() / count if count else 1.0
+    # positions: where ids differ from the prediction (or the run symbol); None: not yet found.
+    zeros = 1.0 - changed_count / count if count else 1.0
     candidates: list[tuple[int, torch.Tensor, bytes, int]] = []  # (layout flag, symbols, extra bits, extra count)
     order = None
     if mode == REARRANGED:
@@ -318,6 +324,8 @@ def _encode_bucket_ids(
                 dense = dense.index_select(0, order)
         candidates.append((_DIRECT, dense, b"", 0))
     if zeros >= _RUNS_FROM:
+        if positions is None:
+            positions = torch.nonzero(ids != run_symbol).reshape(-1)
         base = run_symbol if predicted is None else predicted.index_select(0, positions.reshape(-1).long())
         values = _cyclic_difference(ids.index_select(0, positions.reshape(-1).long()), base if torch.is_tensor(base) else torch.tensor(base), levels)
         if order is not None:

@@ -284,7 +284,10 @@ class DynaQuantCodec(Codec):
                 if bool(keep.any()):
                     ids[changed[keep]] = predicted[changed[keep]]
                     changed = changed[~keep]
-        protected_positions = torch.nonzero(ids == table.protect_id).reshape(-1)
+        if ids.numel() and int(ids.max()) == table.protect_id:  # the largest id: a cheap test first
+            protected_positions = torch.nonzero(ids == table.protect_id).reshape(-1)
+        else:
+            protected_positions = torch.empty(0, dtype=torch.int64, device=ids.device)
         protected_dtype = torch.float16 if tensor.dtype == torch.float16 else torch.bfloat16
         protected = flat[protected_positions].to(protected_dtype)
         flags = (_LOG_FLAG if table.domain == LOG else 0) | (_FP16_FLAG if protected_dtype == torch.float16 else 0)
