@@ -43,17 +43,28 @@ def kmeans_plus_plus_1d(
     points: torch.Tensor, weights: torch.Tensor, k: int, generator: torch.Generator
 ) -> torch.Tensor:
     """``k`` seeds drawn by weighted k-means++ (the first ∝ weight, then ∝ weight·distance²)."""
-    chosen = [int(torch.multinomial(weights, 1, generator=generator))]
+    chosen = [_draw(weights, generator)]
     distance = (points - points[chosen[0]]) ** 2
     for _ in range(1, k):
         score = weights * distance
         total = float(score.sum())
         if total <= 0.0:
             break  # every point already coincides with a seed
-        index = int(torch.multinomial(score / total, 1, generator=generator))
+        index = _draw(score / total, generator)
         chosen.append(index)
         distance = torch.minimum(distance, (points - points[index]) ** 2)
     return torch.sort(points[chosen]).values
+
+
+def _draw(probabilities: torch.Tensor, generator: torch.Generator) -> int:
+    """One index drawn in proportion to ``probabilities`` (finite, >= 0, not all 0).
+
+    The exponential race ``argmax(p / Exp(1))``, which is how ``torch.multinomial`` draws
+    one sample (the same draws from the same generator), without its input checks: three
+    reductions and two host syncs per draw, most of the cost of a k-means++ seeding.
+    """
+    noise = torch.empty_like(probabilities).exponential_(1, generator=generator)
+    return int(torch.argmax(probabilities / noise))
 
 
 def nearest_level(points: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
@@ -101,37 +112,38 @@ def weighted_kmeans_1d(
         generator = torch.Generator(device=points.device).manual_seed(seed)
         centroids = kmeans_plus_plus_1d(points, weights, k, generator)
     # Points are sorted, so every cluster is a contiguous run: Lloyd's update needs only
-    # where each decision boundary cuts the points, and prefix sums give the cluster means.
-    zero = torch.zeros(1, dtype=torch.float64, device=points.device)
-    mass_prefix = torch.cat([zero, torch.cumsum(weights, 0)])
-    moment_prefix = torch.cat([zero, torch.cumsum(weights * points, 0)])
-    end = torch.tensor([points.numel()], device=points.device)
-    cuts = None
+    # where each decision boundary cuts the points, and prefix sums give the cluster means
+    # (weight and weighted position in one table, so each step is one gather and one diff).
+    prefix = torch.nn.functional.pad(torch.cumsum(torch.stack([weights, weights * points]), 1), (1, 0))
+    ends = torch.tensor([0, points.numel()], device=points.device)
+    bounds = None
+    converged = False
     for _ in range(iterations):
-        new_cuts = _cluster_ends(points, centroids, end)
-        if cuts is not None and torch.equal(new_cuts, cuts):
+        new_bounds = _cluster_bounds(points, centroids, ends)
+        if bounds is not None and torch.equal(new_bounds, bounds):
+            converged = True
             break
-        cuts = new_cuts
-        starts = torch.cat([end.new_zeros(1), cuts[:-1]])
-        mass = mass_prefix[cuts] - mass_prefix[starts]
-        moment = moment_prefix[cuts] - moment_prefix[starts]
+        bounds = new_bounds
+        mass, moment = torch.diff(prefix.index_select(1, bounds), dim=1)
         # An empty cluster keeps its position; the final cleanup drops it.
         centroids = torch.sort(torch.where(mass > 0, moment / mass.clamp_min(1e-300), centroids)).values
     # The clusters that hold a point (what nearest_level would assign), from the cuts: a
     # search per boundary instead of one per point (bucketize over thousands of points
-    # starts a thread team per call, which costs milliseconds on a busy machine).
-    ends = _cluster_ends(points, centroids, end)
-    sizes = ends - torch.cat([end.new_zeros(1), ends[:-1]])
-    used = torch.nonzero(sizes > 0).reshape(-1)
+    # starts a thread team per call, which costs milliseconds on a busy machine). After
+    # convergence the last cuts are those of the final centroids.
+    if not converged:
+        bounds = _cluster_bounds(points, centroids, ends)
+    used = torch.nonzero(torch.diff(bounds) > 0).reshape(-1)
     # Means of clusters of tiny values (e.g. 1e-114 and 1e-213) can round to the same value.
     return torch.unique(centroids[used])
 
 
-def _cluster_ends(points: torch.Tensor, centroids: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
-    """One past the last of the sorted ``points`` nearest each of the sorted ``centroids``
-    (ties go to the lower centroid, as in :func:`nearest_level`)."""
+def _cluster_bounds(points: torch.Tensor, centroids: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Where the clusters of the sorted ``centroids`` start and end in the sorted ``points``:
+    ``ends[0]`` (0), the cut at each decision boundary, ``ends[1]`` (the number of points).
+    Ties go to the lower centroid, as in :func:`nearest_level`."""
     boundaries = (centroids[1:] + centroids[:-1]) / 2
-    return torch.cat([torch.searchsorted(points, boundaries, right=True), end])
+    return torch.cat([ends[:1], torch.searchsorted(points, boundaries, right=True), ends[1:]])
 
 
 def float32_levels(
