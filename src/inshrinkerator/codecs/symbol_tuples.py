@@ -44,13 +44,18 @@ def _digit_table(size: int, radix: int) -> torch.Tensor:
     return ((values // powers) % radix).to(torch.uint8)
 
 
-def _escape_positions(packed: torch.Tensor, digits_or_symbols: torch.Tensor, escape: int, size: int, radix: int) -> torch.Tensor:
-    """Ascending positions of the escapes, found from the packed bytes first.
+def _escape_positions(
+    packed: torch.Tensor, digits_or_symbols: torch.Tensor, escape: int, size: int, radix: int, expected: int
+) -> torch.Tensor:
+    """Ascending positions of the ``expected`` (about) escapes, found from the packed bytes first.
 
     The escape digit is the largest (all its bits set), so a few byte-wide ANDs over
     ``count / size`` bytes find the tuples that hold one; only their ``size`` symbols are
-    then compared with ``escape`` (a full comparison and ``nonzero`` cost ~4x more).
+    then compared with ``escape`` (a full comparison and ``nonzero`` cost ~4x more, unless
+    escapes are so frequent that most tuples hold one).
     """
+    if expected * 16 > digits_or_symbols.numel():
+        return torch.nonzero(digits_or_symbols == escape).reshape(-1)
     digit_bits = radix.bit_length() - 1
     marked = packed.clone()
     for shift in range(1, digit_bits):
@@ -96,7 +101,8 @@ def encode_symbol_tuples(symbols: torch.Tensor, counts: torch.Tensor, size: int)
     escaped = b""
     escape_count = 0
     if present > direct:
-        positions = _escape_positions(packed, digits, radix - 1, size, radix)
+        escapes = count - int(counts.index_select(0, ranked).sum())  # every other symbol escapes
+        positions = _escape_positions(packed, digits, radix - 1, size, radix, escapes)
         values = flat.index_select(0, positions).to(torch.uint8)
         escape_count = values.numel()
         escaped = huffman_frame(values.numpy())
@@ -149,7 +155,7 @@ def decode_symbol_tuples(data: Any, count: int) -> torch.Tensor:
         values = torch.frombuffer(bytearray(expand_frame(view[escapes_at:], escape_count)), dtype=torch.uint8)
         if bool(is_direct.index_select(0, values.int()).any()):
             raise CorruptCheckpointError("symbol tuples: an escaped symbol has a digit of its own")
-        positions = _escape_positions(packed, padded, marker, size, radix)
+        positions = _escape_positions(packed, padded, marker, size, radix, escape_count)
         if positions.numel() != escape_count or (escape_count and int(positions[-1]) >= count):
             raise CorruptCheckpointError("symbol tuples: escapes do not match their digits")
         symbols.index_put_((positions,), values)
