@@ -147,9 +147,14 @@ class EntropyStats:
         return self.payload_bytes / bound - 1 if bound > 0 else 0.0
 
 
+def _order(predicted: torch.Tensor, levels: int) -> torch.Tensor:
+    # The stable grouping by predicted bucket: order[k] is the k-th element.
+    return torch.argsort(predicted.reshape(-1).to(id_dtype(levels)), stable=True)
+
+
 def _rank(predicted: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
-    # The stable grouping by predicted bucket: order[k] is the k-th element, rank its inverse.
-    order = torch.argsort(predicted.reshape(-1).to(id_dtype(levels)), stable=True)
+    # _order and its inverse permutation.
+    order = _order(predicted, levels)
     rank = torch.empty_like(order)
     rank[order] = torch.arange(order.numel(), device=order.device)
     return order, rank
@@ -396,7 +401,7 @@ def decode_bucket_ids(
         if mode == PLAIN:
             return symbols.to(dtype)
         if mode == REARRANGED:
-            order, _ = _rank(predicted.reshape(-1), levels)
+            order = _order(predicted, levels)
             symbols = torch.empty_like(symbols).index_copy_(0, order, symbols)
         return _cyclic_sum(predicted.reshape(-1).cpu(), symbols, levels).to(dtype)
     extra = bytes(view[cursor + coded_bytes :])
@@ -407,7 +412,7 @@ def decode_bucket_ids(
         return ids
     ids = predicted.reshape(-1).to(dtype=dtype, device="cpu", copy=True)
     if mode == REARRANGED:
-        order, _ = _rank(ids, levels)
+        order = _order(ids, levels)
         positions = order.index_select(0, positions)
     ids.index_put_((positions,), _cyclic_sum(ids.index_select(0, positions), values, levels).to(dtype))
     return ids
