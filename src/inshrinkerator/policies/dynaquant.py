@@ -366,8 +366,7 @@ class DynaQuant(Policy):
             # the reference when it moved (levels of its own values cannot hold a change
             # smaller than their spacing), else losslessly.
             origin = tuple(0 for _ in cube.shape)
-            at_origin = parallel_map(lambda i: cube.result(i, origin, MAGNITUDE).error, indices)
-            hard = [i for i, error in zip(indices, at_origin) if error / scales.get(i, 1.0) > cube.budget]
+            hard = [i for i in indices if cube.result(i, origin, MAGNITUDE).error / scales.get(i, 1.0) > cube.budget]
             residual = [i for i in hard if i in moving]
             for index in residual:
                 inner = DynaQuantCodec(bins=RESIDUAL_BINS, prune=0.0, protect=0.0, sigma=self.sigma)

@@ -33,7 +33,6 @@ from typing import Any, Optional
 
 import torch
 
-from ..codecs._parallel import parallel_map
 from ..codecs.nonuniform_quantizer import assign_ids, reconstruct
 from ..tree import TensorLeaf
 from .quantization_trials import MAGNITUDE, SENSITIVITY, TrialConfig, TrialResult, WeightTrial, quantile_key
@@ -318,39 +317,32 @@ class ConfigurationCube:
         floor when the shared setting is coarser).
         """
         floors = floors or {}
-        # Every tensor walks its own axis (its trial's state only): the walks run in parallel.
-        walks = parallel_map(
-            lambda index: self._refine_one(index, point, metric, floors.get(index, 0)), list(self.trials)
-        )
-        if self.evaluate is None:
-            worst = 0.0
-            for _, error in walks:
-                worst = max(worst, error)
-            self._quality[(point, metric)] = worst
-        return sum(runs for runs, _ in walks)
-
-    def _refine_one(self, index: int, point: Point, metric: str, floor: int) -> tuple[int, float]:
-        """:meth:`refine` for one tensor: ``(trial runs, its error at the bins it keeps)``."""
-        axis, position = (self.axes[1], point[1]) if index in self.embedding else (self.axes[0], point[0])
-        if axis[position] < floor:
-            self.refined[(index, point, metric)] = floor
-        if self.evaluate is not None:
-            return 0, 0.0
-        scale = self.scales.get(index, 1.0)
-        error = self.result(index, point, metric).error / scale
-        chosen = self.config(index, point, metric).bins
         runs = 0
-        for bins in axis[position + 1:]:
-            if bins < floor:
-                break
-            self.refined[(index, point, metric)] = bins
-            runs += 1
-            trial_error = self.result(index, point, metric).error / scale
-            if trial_error > self.budget:
-                break
-            chosen, error = bins, trial_error
-        self.refined[(index, point, metric)] = chosen
-        return runs, error
+        worst = 0.0
+        for index in self.trials:
+            axis, position = (self.axes[1], point[1]) if index in self.embedding else (self.axes[0], point[0])
+            floor = floors.get(index, 0)
+            if axis[position] < floor:
+                self.refined[(index, point, metric)] = floor
+            if self.evaluate is not None:
+                continue
+            scale = self.scales.get(index, 1.0)
+            error = self.result(index, point, metric).error / scale
+            chosen = self.config(index, point, metric).bins
+            for bins in axis[position + 1:]:
+                if bins < floor:
+                    break
+                self.refined[(index, point, metric)] = bins
+                runs += 1
+                trial_error = self.result(index, point, metric).error / scale
+                if trial_error > self.budget:
+                    break
+                chosen, error = bins, trial_error
+            self.refined[(index, point, metric)] = chosen
+            worst = max(worst, error)
+        if self.evaluate is None:
+            self._quality[(point, metric)] = worst
+        return runs
 
     # -- quality and feasibility
     def quality(self, point: Point, metric: str) -> float:
@@ -359,11 +351,9 @@ class ConfigurationCube:
         key = (point, metric)
         if key not in self._quality:
             if self.evaluate is None:
-                # Each tensor's trial is independent of the others': they run in parallel.
-                errors = parallel_map(
-                    lambda i: self.result(i, point, metric).error / self.scales.get(i, 1.0), list(self.trials)
+                self._quality[key] = max(
+                    self.result(i, point, metric).error / self.scales.get(i, 1.0) for i in self.trials
                 )
-                self._quality[key] = max(errors)
             else:
                 self._quality[key] = self._evaluated_loss(point, metric)
         return self._quality[key]
