@@ -196,7 +196,10 @@ def test_first_moments_keep_the_steadiest_entries(tmp_path) -> None:
     kept = loaded["exp_avg"] != 0
     assert 0.07 < float(kept.float().mean()) < 0.13
     score = m.abs() / (v.sqrt() + 1e-8)
-    assert float(score[kept].min()) >= 0.95 * float(score[~kept].max())
+    cut = float(torch.quantile(score.flatten(), 0.9))
+    assert float(score[kept].min()) >= 0.95 * cut  # nothing below the score cut survives
+    # ... and above it only the entries nearer 0 than the smallest level become 0
+    assert float(kept[score >= cut].float().mean()) > 0.75
     ink.save(state, tmp_path / "all.ink", policy=DynaQuant())
     restored = ink.load(tmp_path / "all.ink")["optimizer"]["state"][2]["exp_avg"]
     # By default nothing is pruned: only entries nearer 0 than the smallest level become 0.
@@ -277,13 +280,14 @@ def test_each_weight_gets_the_fewest_bins_that_keep_its_own_error_within_budget(
         assert cube.result(index, point, metric).error <= budget
 
 
-@pytest.mark.parametrize("bins", [4, 16])
-def test_first_moments_are_never_rounded_to_more_than_twice_their_size(tmp_path, bins) -> None:
+@pytest.mark.parametrize("bins, keep", [(4, 1.0), (16, 1.0), (4, 0.15)])
+def test_first_moments_are_never_rounded_to_more_than_twice_their_size(tmp_path, bins, keep) -> None:
     # 0 is one of the levels: a tiny entry becomes 0 rather than the smallest level, so a
-    # restored Adam step m / sqrt(v) is never blown up by the first moment.
+    # restored Adam step m / sqrt(v) is never blown up by the first moment (also among the
+    # entries first_moment_keep keeps, whose |m| can be small where v is small).
     _, states = _states(2)
     state = states[1]
-    ink.save(state, tmp_path / "m.ink", policy=DynaQuant(moment_bins=bins))
+    ink.save(state, tmp_path / "m.ink", policy=DynaQuant(moment_bins=bins, first_moment_keep=keep))
     loaded = ink.load(tmp_path / "m.ink")["optimizer"]["state"]
     for key, entry in state["optimizer"]["state"].items():
         m, restored = entry["exp_avg"], loaded[key]["exp_avg"]
@@ -292,7 +296,8 @@ def test_first_moments_are_never_rounded_to_more_than_twice_their_size(tmp_path,
         assert bool((restored * m >= 0).all())
         # 2x, plus the sketch's bucket width (1.6%) on both sides of a cell boundary
         assert bool((restored.abs() <= 2.1 * m.abs()).all())
-        assert 0 < float((restored == 0).float().mean()) < 0.9
+        zeros = float((restored == 0).float().mean())
+        assert 0 < zeros < 0.9 if keep == 1.0 else 1.0 - keep - 0.02 < zeros < 1.0
 
 
 @pytest.mark.parametrize("bins", [2, 4, 8])
@@ -363,3 +368,4 @@ def test_precision_only_grows_between_checkpoints() -> None:
     loose.plan(flat.tensors, [None] * len(flat.tensors))
     loose.plan(leaves, [None] * len(leaves))
     assert min(int(b) for b in loose.search_log[-1].config["tensors_by_bins"]) <= min(int(b) for b in second)
+

@@ -579,8 +579,12 @@ class DynaQuant(Policy):
         cut = quantile_key(torch.bincount(score_keys, minlength=MAGNITUDE_KEYS), 1.0 - self.first_moment_keep)
         prune_mask = (score_keys < cut) | ~torch.isfinite(score)
         kept = torch.bincount(keys[~prune_mask], minlength=SIGNED_KEYS).cpu()
-        centroids = fit_centroids(kept, self.moment_bins, self.sigma)
-        return {"prune_mask": prune_mask, "centroids": centroids}
+        # The kept entries get the same symmetric levels around an exact zero as a whole
+        # moment: plain k-means rounded some small |m| (high score: small v) up to a far
+        # larger level, and those restored steps blew up a digits run.
+        hints = _zero_level_hints_for(kept, self.moment_bins, self.sigma)
+        hints["prune_mask"] = prune_mask
+        return hints
 
 
 def _zero_level_hints_for(counts: torch.Tensor, bins: int, sigma: float) -> dict[str, Any]:
