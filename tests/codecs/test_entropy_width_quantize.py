@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from inshrinkerator.codecs import EntropyWidthQuantizeCodec, get_codec
@@ -31,6 +31,8 @@ finite = st.floats(min_value=-1e4, max_value=1e4, allow_nan=False, allow_infinit
     values=st.lists(finite, min_size=0, max_size=300),
     bounds=st.tuples(st.integers(2, 300), st.integers(2, 300)).map(sorted),
 )
+@example(values=[0.0, 1.401298464324817e-45], bounds=[2, 3])  # the step rounded to 0 among subnormals
+@example(values=[-2.8e-45, 0.0, 9.8e-45], bounds=[2, 7])
 def test_round_trip_within_stated_bound(values: list[float], bounds: list[int]) -> None:
     tensor = torch.tensor(values, dtype=torch.float32)
     codec = EntropyWidthQuantizeCodec(*bounds)

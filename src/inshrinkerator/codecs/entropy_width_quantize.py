@@ -102,7 +102,11 @@ class UniformGrid:
             zero = flat.new_zeros(1)
             return cls(bins, zero, zero.clone())
         low, high = flat.min().reshape(1), flat.max().reshape(1)
-        return cls(bins, low, (high - low) / (bins - 1))
+        scale = (high - low) / (bins - 1)
+        # Among subnormals the division can round the step down (even to 0), leaving the
+        # top of the range off the grid and the stated bound broken: one step up fixes it.
+        short = low + scale * (bins - 1) < high
+        return cls(bins, low, torch.where(short, torch.nextafter(scale, torch.full_like(scale, math.inf)), scale))
 
     @classmethod
     def from_params(cls, params: dict[str, Any], compute: torch.dtype, codec_id: str, max_bins: int) -> "UniformGrid":
