@@ -14,6 +14,7 @@ from typing import IO, Any, Optional
 import torch
 
 from .codecs.base import Codec, TensorSpec
+from .codecs.lossy_input import all_finite
 from .container import ContainerReader, ContainerWriter
 from .errors import BrokenChainError, FormatError
 from .policies import Lossless, Policy
@@ -110,7 +111,7 @@ def _exact_where_not_finite(
         tensor = leaf.tensor
         if codec.lossless or not tensor.is_floating_point() or tensor.numel() == 0:
             continue
-        if not bool(torch.isfinite(tensor).all()):
+        if not all_finite(tensor):
             planned[index] = exact.plan([leaf], [references[index]])[0]
     return planned
 

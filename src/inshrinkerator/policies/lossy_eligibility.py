@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..codecs.lossy_input import all_finite
 from .state_layout import TensorRole
 
 __all__ = ["quantizable", "usable_reference", "lossy_roles", "check_common_knobs", "OPTIMIZER_MOMENT_ROLES"]
@@ -35,7 +36,7 @@ def check_common_knobs(min_numel: Any, include_optimizer_state: Any) -> None:
 
 
 def _finite(tensor: torch.Tensor) -> bool:
-    return bool(torch.isfinite(tensor).all())
+    return all_finite(tensor)
 
 
 def quantizable(tensor: torch.Tensor, min_numel: int) -> bool:
