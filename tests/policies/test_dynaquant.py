@@ -190,7 +190,7 @@ def test_deltas_use_the_reference() -> None:
 
 def test_first_moments_keep_the_steadiest_entries(tmp_path) -> None:
     _, (state,) = _states(1)
-    ink.save(state, tmp_path / "m.ink", policy=DynaQuant(first_moment_keep=0.1))
+    ink.save(state, tmp_path / "m.ink", policy=DynaQuant(first_moment_keep=0.1, first_moment_keep_after=0))
     loaded = ink.load(tmp_path / "m.ink")["optimizer"]["state"][2]
     m, v = state["optimizer"]["state"][2]["exp_avg"], state["optimizer"]["state"][2]["exp_avg_sq"]
     kept = loaded["exp_avg"] != 0
@@ -202,7 +202,8 @@ def test_first_moments_keep_the_steadiest_entries(tmp_path) -> None:
     assert float(kept[score >= cut].float().mean()) > 0.75
     ink.save(state, tmp_path / "all.ink", policy=DynaQuant())
     restored = ink.load(tmp_path / "all.ink")["optimizer"]["state"][2]["exp_avg"]
-    # By default nothing is pruned: only entries nearer 0 than the smallest level become 0.
+    # A full checkpoint prunes nothing by default: only entries nearer 0 than the smallest
+    # level become 0.
     assert float(m.abs()[restored != 0].sum() / m.abs().sum()) > 0.8
     sgd = _states(1, optimizer="sgd")[1][0]
     ink.save(sgd, tmp_path / "s.ink", policy=DynaQuant(momentum_keep=0.3))
@@ -287,7 +288,7 @@ def test_first_moments_are_never_rounded_to_more_than_twice_their_size(tmp_path,
     # entries first_moment_keep keeps, whose |m| can be small where v is small).
     _, states = _states(2)
     state = states[1]
-    ink.save(state, tmp_path / "m.ink", policy=DynaQuant(moment_bins=bins, first_moment_keep=keep))
+    ink.save(state, tmp_path / "m.ink", policy=DynaQuant(moment_bins=bins, first_moment_keep=keep, first_moment_keep_after=0))
     loaded = ink.load(tmp_path / "m.ink")["optimizer"]["state"]
     for key, entry in state["optimizer"]["state"].items():
         m, restored = entry["exp_avg"], loaded[key]["exp_avg"]
@@ -369,3 +370,32 @@ def test_precision_only_grows_between_checkpoints() -> None:
     loose.plan(leaves, [None] * len(leaves))
     assert min(int(b) for b in loose.search_log[-1].config["tensors_by_bins"]) <= min(int(b) for b in second)
 
+
+
+@pytest.mark.parametrize("after, pruned", [(5, True), (6, False)])
+def test_first_moments_are_pruned_only_far_enough_from_the_reference(tmp_path, after, pruned) -> None:
+    # The states are 5 Adam steps apart: the delta prunes when first_moment_keep_after <= 5.
+    _, states = _states(2)
+    manager = ink.CheckpointManager(tmp_path / "run", policy=DynaQuant(first_moment_keep=0.1, first_moment_keep_after=after))
+    for step, state in enumerate(states):
+        manager.save(step, state)
+    manager.close()
+    reader = ink.CheckpointManager(tmp_path / "run")
+    full, delta = (reader.load(step)["optimizer"]["state"][2]["exp_avg"] for step in (0, 1))
+    reader.close()
+    assert float((full != 0).float().mean()) > 0.5  # a full checkpoint keeps every entry
+    kept = float((delta != 0).float().mean())
+    assert kept <= 0.11 if pruned else kept > 0.5
+
+
+def test_steps_since_reference_come_from_the_optimizer_step_counters() -> None:
+    from inshrinkerator.policies.dynaquant import _steps_since_reference
+
+    _, states = _states(3)
+    leaves = flatten(states[2]).tensors
+    earlier = _by_key(states[0])
+    references = [earlier.get(format_key_path(leaf.path)) for leaf in leaves]
+    assert _steps_since_reference(leaves, references) == 10
+    assert _steps_since_reference(leaves, [None] * len(leaves)) is None
+    with pytest.raises(ValueError, match="first_moment_keep_after"):
+        DynaQuant(first_moment_keep_after=-1)
