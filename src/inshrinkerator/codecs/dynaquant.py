@@ -50,6 +50,7 @@ from .nonuniform_quantizer import (
     reconstruct,
     stick_to_predicted,
 )
+from .prepared import PreparedEncoding
 from .registry import register_codec
 from .scratch import scratch
 from .varint import decode_varint, encode_varint
@@ -123,16 +124,6 @@ def kept_counts(counts: torch.Tensor, prune_below: int, protect_above: int) -> t
     return torch.where(keep.to(counts.device), counts, 0)
 
 
-def _identity(tensor: torch.Tensor, reference: Optional[torch.Tensor]) -> tuple:
-    def one(t: Optional[torch.Tensor]) -> tuple:
-        if t is None:
-            return ()
-        pointer = t.untyped_storage().data_ptr() if t.numel() else 0
-        return (id(t), pointer, t.storage_offset(), tuple(t.shape), t.dtype, t._version)
-
-    return one(tensor) + (None,) + one(reference)
-
-
 def _fraction(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
         raise ValueError(f"{name} must be a fraction in [0, 1), got {value!r}")
@@ -140,7 +131,7 @@ def _fraction(name: str, value: Any) -> float:
 
 
 @register_codec
-class DynaQuantCodec(Codec):
+class DynaQuantCodec(PreparedEncoding, Codec):
     """Lossy: prune / protect / k-means quantize; ids run-length + ANS coded.
 
     Args:
@@ -181,7 +172,6 @@ class DynaQuantCodec(Codec):
         self.stickiness = float(stickiness)
         self._hints: dict[str, Any] = {}
         self._fitted: Optional[LevelTable] = None
-        self._prepared: Optional[tuple[tuple, Encoded]] = None
 
     def with_hints(
         self,
@@ -214,24 +204,6 @@ class DynaQuantCodec(Codec):
             if value is not None
         }
         return codec
-
-    def prepare(self, tensor: torch.Tensor, reference: Optional[torch.Tensor] = None) -> Encoded:
-        """Encode now and keep the result for the next :meth:`encode` of the very same inputs.
-
-        A policy encodes during planning (in parallel, and to measure the real error);
-        the writer's later ``encode`` call then costs nothing. Unchanged inputs are
-        recognised by identity, storage and version counter, so the result is exactly
-        what ``encode`` would compute.
-        """
-        encoded = self.encode(tensor, reference)
-        self._prepared = (_identity(tensor, reference), encoded)
-        return encoded
-
-    def _take_prepared(self, tensor: torch.Tensor, reference: Optional[torch.Tensor]) -> Optional[Encoded]:
-        prepared, self._prepared = self._prepared, None
-        if prepared is not None and prepared[0] == _identity(tensor, reference):
-            return prepared[1]
-        return None
 
     def get_config(self) -> dict[str, Any]:
         """The options that differ from the defaults (files hold one config per tensor)."""

@@ -22,6 +22,7 @@ from ..errors import BrokenChainError, FormatError
 from .base import Codec, Encoded, TensorSpec
 from .expansion_padding import PADDED_MAX_EXPANSION
 from .lossy_input import checked_float_input, require_float_spec, working_dtype
+from .prepared import PreparedEncoding
 from .registry import get_codec, register_codec
 from .xor_delta import reference_checksum
 
@@ -40,7 +41,7 @@ def _checked_reference(spec: TensorSpec, reference: Optional[torch.Tensor]) -> t
 
 
 @register_codec
-class ResidualCodec(Codec):
+class ResidualCodec(PreparedEncoding, Codec):
     """``inner(tensor - reference)``; decodes to ``reference + inner's output``.
 
     Args:
@@ -67,6 +68,9 @@ class ResidualCodec(Codec):
             raise ValueError("residual: the inner codec must not use a reference of its own")
 
     def encode(self, tensor: torch.Tensor, reference: Optional[torch.Tensor] = None) -> Encoded:
+        prepared = self._take_prepared(tensor, reference)
+        if prepared is not None:
+            return prepared
         spec = TensorSpec.of(tensor)
         reference = _checked_reference(spec, reference)
         compute = working_dtype(tensor.dtype)

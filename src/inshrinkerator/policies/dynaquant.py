@@ -60,6 +60,7 @@ from ..codecs.bucket_delta import EntropyStats
 from ..codecs.dynaquant import DynaQuantCodec, DynaQuantDeltaCodec
 from ..codecs.factored_moment import FactoredMomentCodec, factored_shape
 from ..codecs.dynaquant import magnitude_thresholds
+from ..codecs.prepared import PreparedEncoding
 from ..codecs.log_sketch import MAGNITUDE_KEYS, SIGNED_KEYS, magnitude_keys, signed_keys
 from ..codecs.nonuniform_quantizer import FIRST_NON_FINITE_KEY, LOG, fit_centroids, key_centres
 from ..codecs.weighted_kmeans import float32_levels, histogram_sample_weights
@@ -264,7 +265,7 @@ class DynaQuant(Policy):
         # Encode now, in parallel: the writer's encode calls then return at once, and the
         # stored weights' real error (stickiness included) can be checked against the budget.
         prepared = [
-            (i, codecs[i]) for i in range(len(leaves)) if isinstance(codecs[i], DynaQuantCodec)
+            (i, codecs[i]) for i in range(len(leaves)) if isinstance(codecs[i], PreparedEncoding)
         ]
         prepared.sort(key=lambda item: -leaves[item[0]].tensor.numel())
         encoded = parallel_map(

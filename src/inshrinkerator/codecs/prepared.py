@@ -1,0 +1,47 @@
+"""Encoding ahead of the writer: a policy encodes while planning, the writer's call is free.
+
+A policy that plans lossy codecs can encode their tensors at once, in parallel and,
+for the weights, to measure the real stored error; the container writer's later
+``encode`` of the very same inputs then returns the kept result. Inputs are matched by
+object identity, storage, offset, shape, dtype and version counter, so a tensor changed
+in place in between is encoded again: the result is always what ``encode`` computes.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .base import Encoded
+
+__all__ = ["PreparedEncoding"]
+
+
+def _identity(tensor: torch.Tensor, reference: Optional[torch.Tensor]) -> tuple:
+    def one(t: Optional[torch.Tensor]) -> tuple:
+        if t is None:
+            return ()
+        pointer = t.untyped_storage().data_ptr() if t.numel() else 0
+        return (id(t), pointer, t.storage_offset(), tuple(t.shape), t.dtype, t._version)
+
+    return one(tensor) + (None,) + one(reference)
+
+
+class PreparedEncoding:
+    """Mixin for a codec: :meth:`prepare` encodes now; ``encode`` starts with :meth:`_take_prepared`."""
+
+    _prepared: Optional[tuple[tuple, Encoded]] = None
+
+    def prepare(self, tensor: torch.Tensor, reference: Optional[torch.Tensor] = None) -> Encoded:
+        """Encode now and keep the result for the next ``encode`` of the very same inputs."""
+        encoded = self.encode(tensor, reference)  # type: ignore[attr-defined]
+        self._prepared = (_identity(tensor, reference), encoded)
+        return encoded
+
+    def _take_prepared(self, tensor: torch.Tensor, reference: Optional[torch.Tensor]) -> Optional[Encoded]:
+        """The kept result if it was made from these inputs (kept once: taken, it is dropped)."""
+        prepared, self._prepared = self._prepared, None
+        if prepared is not None and prepared[0] == _identity(tensor, reference):
+            return prepared[1]
+        return None

@@ -1,0 +1,47 @@
+"""Encoding ahead of the writer: the kept result is returned only for the very same inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from inshrinkerator.codecs import DynaQuantCodec, ResidualCodec
+
+
+def _codecs():
+    inner = DynaQuantCodec(bins=16, prune=0.0, protect=0.0)
+    return [DynaQuantCodec(bins=16, prune=0.0, protect=0.0), ResidualCodec(inner)]
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_prepared_result_is_what_encode_computes_and_is_used_once(index) -> None:
+    generator = torch.Generator().manual_seed(index)
+    tensor = torch.randn(4096, generator=generator)
+    reference = tensor + 0.01 * torch.randn(4096, generator=generator)
+    codec = _codecs()[index]
+    needs = reference if codec.uses_reference else None
+    prepared = codec.prepare(tensor, needs)
+    assert codec.encode(tensor, needs) is prepared  # the writer's call costs nothing
+    again = codec.encode(tensor, needs)  # taken once: encoded anew, to the same result
+    assert again is not prepared
+    assert again.streams == prepared.streams
+    assert torch.equal(again.reconstruction, prepared.reconstruction)
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_inputs_changed_since_prepare_are_encoded_again(index) -> None:
+    generator = torch.Generator().manual_seed(10 + index)
+    tensor = torch.randn(4096, generator=generator)
+    reference = tensor + 0.01 * torch.randn(4096, generator=generator)
+    codec = _codecs()[index]
+    needs = reference if codec.uses_reference else None
+    prepared = codec.prepare(tensor, needs)
+    tensor.mul_(2.0)  # changed in place: same object, new version counter
+    fresh = codec.encode(tensor, needs)
+    assert fresh is not prepared
+    assert fresh.streams != prepared.streams
+    other = torch.randn(4096, generator=generator)
+    kept = codec.prepare(tensor, needs)
+    encoded = codec.encode(other, needs)  # a different tensor never gets the kept result
+    assert encoded is not kept
+    assert not torch.equal(encoded.reconstruction, kept.reconstruction)
