@@ -160,7 +160,9 @@ SAVE_STAGES = [
     ("entropy: ANS encodes (part of the above)", f"{_CODECS}.bucket_delta", "encode_symbols"),
     ("stickiness: stick_to_predicted", f"{_CODECS}.dynaquant", "stick_to_predicted"),
     ("ids: assign_ids", f"{_CODECS}.dynaquant", "assign_ids"),
-    ("k-means: weighted_kmeans_1d", f"{_CODECS}.nonuniform_quantizer", "weighted_kmeans_1d"),
+    ("k-means: weighted_kmeans_1d (codec fits)", f"{_CODECS}.nonuniform_quantizer", "weighted_kmeans_1d"),
+    ("k-means: weighted_kmeans_1d (policy fits)", f"{_CODECS}.weighted_kmeans", "weighted_kmeans_1d"),
+    ("residual weights: ResidualCodec.encode", f"{_CODECS}.residual", "ResidualCodec.encode"),
     ("lossless: ByteGroupingCodec.encode", f"{_CODECS}.byte_grouping", "ByteGroupingCodec.encode"),
     ("container: ContainerWriter.finish", "inshrinkerator.container.writer", "ContainerWriter.finish"),
 ]
