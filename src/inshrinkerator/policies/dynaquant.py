@@ -194,7 +194,7 @@ class DynaQuant(Policy):
     stickiness: float = 0.0
     neighbourhood: int = 1
     precision_only_grows: bool = True
-    moment_bins: int = 4
+    moment_bins: int = 8
     first_moment_keep: float = 0.1
     first_moment_keep_after: int = 30
     momentum_keep: float = 1.0
