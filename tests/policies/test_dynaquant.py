@@ -399,3 +399,17 @@ def test_steps_since_reference_come_from_the_optimizer_step_counters() -> None:
     assert _steps_since_reference(leaves, [None] * len(leaves)) is None
     with pytest.raises(ValueError, match="first_moment_keep_after"):
         DynaQuant(first_moment_keep_after=-1)
+
+
+def test_adam_first_moments_and_sgd_momentum_get_their_own_level_counts() -> None:
+    for optimizer, key, knob in (("adam", "exp_avg", "moment_bins"), ("sgd", "momentum_buffer", "momentum_bins")):
+        _, (state,) = _states(1, optimizer=optimizer)
+        leaves = flatten(state).tensors
+        for bins in (4, 8):
+            codecs = DynaQuant(**{knob: bins}).plan(leaves, [None] * len(leaves))
+            planned = dict(zip((format_key_path(leaf.path) for leaf in leaves), codecs))
+            assert planned[f"optimizer/state/2/{key}"].bins == bins
+    defaults = DynaQuant()
+    assert (defaults.moment_bins, defaults.momentum_bins) == (8, 4)
+    with pytest.raises(ValueError, match="momentum_bins"):
+        DynaQuant(momentum_bins=0)
