@@ -397,6 +397,11 @@ def test_steps_since_reference_come_from_the_optimizer_step_counters() -> None:
     references = [earlier.get(format_key_path(leaf.path)) for leaf in leaves]
     assert _steps_since_reference(leaves, references) == 10
     assert _steps_since_reference(leaves, [None] * len(leaves)) is None
+    # a model buffer that happens to be called "step" is not an optimizer counter
+    counter = {"model": {"step": torch.tensor(100.0)}, "optimizer": {"state": {}}}
+    earlier_counter = {"model/step": torch.tensor(0.0)}
+    buffer_leaves = flatten(counter).tensors
+    assert _steps_since_reference(buffer_leaves, [earlier_counter.get(format_key_path(leaf.path)) for leaf in buffer_leaves]) is None
     with pytest.raises(ValueError, match="first_moment_keep_after"):
         DynaQuant(first_moment_keep_after=-1)
 

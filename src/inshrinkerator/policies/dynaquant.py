@@ -70,7 +70,7 @@ from .dynaquant_search import ConfigurationCube, Point
 from .gradient_watch import GradientWatch
 from .lossless import Lossless
 from .quantization_trials import MAGNITUDE, WeightTrial, quantile_key
-from .state_layout import StateLayout, TensorRole, layout_of
+from .state_layout import StateLayout, TensorRole, layout_of, optimizer_entry_name
 
 __all__ = ["DynaQuant", "PROXY_SCALE", "SearchRecord"]
 
@@ -616,7 +616,7 @@ def _steps_since_reference(leaves: Sequence[TensorLeaf], references: Sequence[Op
     for leaf, reference in zip(leaves, references):
         if reference is None or leaf.tensor.numel() != 1 or reference.numel() != 1:
             continue
-        if not format_key_path(leaf.path).endswith("/step"):
+        if optimizer_entry_name(leaf.path) != "step":
             continue
         gap = float(leaf.tensor) - float(reference)
         if math.isfinite(gap):

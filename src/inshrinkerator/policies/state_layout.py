@@ -39,7 +39,9 @@ import torch
 
 from ..tree import KeyPath, TensorLeaf
 
-__all__ = ["TensorRole", "StateLayout", "layout_of", "MODULE_BUFFER_NAMES", "OPTIMIZER_ENTRY_ROLES"]
+__all__ = [
+    "TensorRole", "StateLayout", "layout_of", "optimizer_entry_name", "MODULE_BUFFER_NAMES", "OPTIMIZER_ENTRY_ROLES",
+]
 
 
 class TensorRole(enum.Enum):
@@ -108,6 +110,13 @@ def _optimizer_entry(path: KeyPath) -> Optional[tuple[KeyPath, int, str]]:
     if isinstance(identifier, bool):
         return None
     return path[:-3], identifier, path[-1]
+
+
+def optimizer_entry_name(path: KeyPath) -> Optional[str]:
+    """The entry's name (``exp_avg``, ``step``, ...) when ``path`` is an optimizer state entry
+    ``<root>/state/<id>/<name>``, else None."""
+    entry = _optimizer_entry(path)
+    return entry[2] if entry is not None else None
 
 
 def _role_of_entry(name: str, tensor: torch.Tensor) -> TensorRole:
