@@ -34,7 +34,7 @@ import torch
 from .bucket_delta import id_dtype
 from .log_sketch import MAGNITUDE_KEYS, SIGNED_KEYS, LogHistogram, signed_key_centres, signed_keys
 from .scratch import scratch
-from .weighted_kmeans import histogram_sample_weights, weighted_kmeans_1d
+from .weighted_kmeans import distinct_float32_levels, float32_levels, histogram_sample_weights, weighted_kmeans_1d
 
 __all__ = [
     "LINEAR",
@@ -178,12 +178,10 @@ def fit_centroids(
     if domain == LOG:
         nonzero &= centres > 0
     centres, counts = centres[nonzero], counts[nonzero]
-    if init is not None:
-        init = init.detach().cpu().double()
     if centres.numel() == 0:
         return torch.empty(0, dtype=torch.float32)
     if domain == LOG:
-        start = torch.log2(init) if init is not None and bool((init > 0).all()) else None
+        start = torch.log2(init.detach().cpu().double()) if init is not None and bool((init > 0).all()) else None
         # Counts alone would leave the sparse upper tail (the largest gradients) without
         # levels; the uniform part spreads levels over the whole occupied log range.
         occupied = torch.full_like(centres, 1.0 / centres.numel())
@@ -192,11 +190,8 @@ def fit_centroids(
         # The largest values are the most active parameters: the top level reaches the
         # largest bucket, so none of them is underestimated by more than half a cell.
         centroids[-1] = torch.maximum(centroids[-1], centres.max())
-    else:
-        weights = histogram_sample_weights(centres, counts, sigma)
-        centroids = weighted_kmeans_1d(centres, weights, bins, init=init)
-    centroids = torch.unique(centroids.to(torch.float32))
-    return centroids[(centroids != 0) & torch.isfinite(centroids)]
+        return distinct_float32_levels(centroids)
+    return float32_levels(centres, histogram_sample_weights(centres, counts, sigma), bins, init)
 
 
 def make_level_table(

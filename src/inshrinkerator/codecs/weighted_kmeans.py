@@ -23,6 +23,7 @@ __all__ = [
     "weighted_kmeans_1d",
     "nearest_level",
     "float32_levels",
+    "distinct_float32_levels",
 ]
 
 
@@ -156,5 +157,10 @@ def float32_levels(
     the occupied buckets of a histogram fit on them without a pass over the key space.
     """
     start = init.detach().cpu().double() if init is not None else None
-    centroids = torch.unique(weighted_kmeans_1d(points, weights, k, init=start).to(torch.float32))
-    return centroids[(centroids != 0) & torch.isfinite(centroids)]
+    return distinct_float32_levels(weighted_kmeans_1d(points, weights, k, init=start))
+
+
+def distinct_float32_levels(centroids: torch.Tensor) -> torch.Tensor:
+    """``centroids`` as sorted distinct float32 values, without 0 and non-finite ones."""
+    levels = torch.unique(centroids.to(torch.float32))
+    return levels[(levels != 0) & torch.isfinite(levels)]

@@ -115,8 +115,6 @@ class _Memory:
     inflation: Optional[float] = None
     #: weight key -> bins it was last stored with (the floor when precision only grows)
     bins: dict[str, int] = field(default_factory=dict)
-    #: optimizer steps between the checkpoint being planned and its reference
-    steps_since_reference: Optional[int] = None
 
 
 def _guess_layer_type(leaf: TensorLeaf) -> str:
@@ -262,8 +260,8 @@ class DynaQuant(Policy):
             leaf.tensor.dtype.is_floating_point and leaf.tensor.numel() >= self.min_numel for leaf in leaves
         ]
         weights = self._plan_weights(leaves, references, layout, eligible, codecs)
-        self._memory.steps_since_reference = _steps_since_reference(leaves, references)
-        self._plan_moments(leaves, references, layout, eligible, codecs)
+        first_keep = self._first_moment_keep_at(_steps_since_reference(leaves, references))
+        self._plan_moments(leaves, references, layout, eligible, codecs, first_keep)
         # Encode now, in parallel: the writer's encode calls then return at once, and the
         # stored weights' real error (stickiness included) can be checked against the budget.
         prepared = [
@@ -507,6 +505,7 @@ class DynaQuant(Policy):
         layout: StateLayout,
         eligible: list[bool],
         codecs: list[Codec],
+        first_keep: float,
     ) -> None:
         # Each moment is sketched (every element read) on its own: shared out between threads,
         # largest first; codecs and warm-start bookkeeping are assigned in leaf order.
@@ -515,7 +514,7 @@ class DynaQuant(Policy):
             if eligible[index] and role in (*_FIRST_ORDER, TensorRole.SECOND_MOMENT)
         ]
         items.sort(key=lambda item: -leaves[item[0]].tensor.numel())
-        planned = parallel_map(lambda item: self._plan_moment(leaves, references, layout, *item), items)
+        planned = parallel_map(lambda item: self._plan_moment(leaves, references, layout, *item, first_keep), items)
         for (index, _), codec in sorted(zip(items, planned), key=lambda pair: pair[0][0]):
             codecs[index] = codec
             if isinstance(codec, DynaQuantCodec):
@@ -528,8 +527,10 @@ class DynaQuant(Policy):
         layout: StateLayout,
         index: int,
         role: TensorRole,
+        first_keep: float,
     ) -> Codec:
-        """The codec of one first or second moment (reads the policy's memory, never writes it)."""
+        """The codec of one first or second moment (reads the policy's memory, never writes it);
+        ``first_keep``: the fraction of Adam's first moment kept at this checkpoint."""
         tensor = leaves[index].tensor.detach()
         key = format_key_path(leaves[index].path)
         if role is TensorRole.SECOND_MOMENT and self._factored(tensor):
@@ -541,7 +542,7 @@ class DynaQuant(Policy):
             codec: DynaQuantCodec = DynaQuantCodec(bins=bins, prune=0.0, protect=0.0, sigma=self.sigma)
             second = layout.entry_moments(index).get(TensorRole.SECOND_MOMENT)
             partner = leaves[second].tensor if second is not None else None
-            extra: dict[str, Any] = self._first_moment_hints(tensor, keys, counts, role, partner)
+            extra: dict[str, Any] = self._first_moment_hints(tensor, keys, counts, role, partner, first_keep)
         else:
             reference = _usable_reference(tensor, references[index])
             codec_type = DynaQuantDeltaCodec if reference is not None else DynaQuantCodec
@@ -567,11 +568,11 @@ class DynaQuant(Policy):
         low, high = torch.aminmax(tensor)
         return float(low) >= 0 and float(high) < float("inf")  # NaN fails both
 
-    def _first_moment_keep_now(self) -> float:
-        """``first_moment_keep`` where this checkpoint is far enough from its reference, else 1."""
+    def _first_moment_keep_at(self, steps: Optional[int]) -> float:
+        """``first_moment_keep`` at a checkpoint ``steps`` optimizer steps after its reference
+        (None: a full checkpoint, or no counters) when that is far enough, else 1."""
         if self.first_moment_keep_after == 0:
             return self.first_moment_keep
-        steps = self._memory.steps_since_reference
         return self.first_moment_keep if steps is not None and steps >= self.first_moment_keep_after else 1.0
 
     def _first_moment_hints(
@@ -581,15 +582,16 @@ class DynaQuant(Policy):
         counts: torch.Tensor,
         role: TensorRole,
         second: Optional[torch.Tensor],
+        first_keep: float,
     ) -> dict[str, Any]:
         """Which first-moment entries to keep (the rest are stored as 0).
 
-        Adam's ``exp_avg`` keeps the ``first_moment_keep`` fraction with the largest
+        Adam's ``exp_avg`` keeps the ``first_keep`` fraction with the largest
         ``|m| / sqrt(v)`` (the entries whose steps are large and steady; the others move
         little either way); an SGD momentum buffer, which is the step itself, keeps the
         ``momentum_keep`` fraction largest in magnitude.
         """
-        keep = self.momentum_keep if role is TensorRole.MOMENTUM_BUFFER else self._first_moment_keep_now()
+        keep = self.momentum_keep if role is TensorRole.MOMENTUM_BUFFER else first_keep
         if keep >= 1.0:
             bins = self.momentum_bins if role is TensorRole.MOMENTUM_BUFFER else self.moment_bins
             return _zero_level_hints_for(counts, bins, self.sigma)
@@ -643,7 +645,8 @@ def _zero_level_hints_for(counts: torch.Tensor, bins: int, sigma: float) -> dict
     keys = torch.nonzero(magnitude[:FIRST_NON_FINITE_KEY]).reshape(-1)
     keys = keys[keys != 0]
     centres = key_centres()[keys]
-    keys, centres = keys[torch.isfinite(centres)], centres[torch.isfinite(centres)]
+    finite = torch.isfinite(centres)
+    keys, centres = keys[finite], centres[finite]
     occupied = magnitude[keys]
 
     def fit(start: int, init: Optional[torch.Tensor]) -> torch.Tensor:
