@@ -7,7 +7,7 @@ references.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, Any, Optional
 
@@ -20,7 +20,16 @@ from .errors import BrokenChainError, FormatError
 from .policies import Lossless, Policy
 from .tree import TensorLeaf, flatten, format_key_path, tensor_paths, unflatten
 
-__all__ = ["WrittenState", "write_state", "read_state", "reference_map", "ProgressCallback"]
+__all__ = [
+    "WrittenState",
+    "write_state",
+    "read_state",
+    "read_tensors",
+    "referenced_keys",
+    "tensor_keys",
+    "reference_map",
+    "ProgressCallback",
+]
 
 #: Called after each tensor with (bytes done, bytes in all) of raw tensor data.
 ProgressCallback = Callable[[int, int], None]
@@ -128,38 +137,86 @@ def read_state(
         BrokenChainError: a tensor was stored as a delta and its reference is missing.
         FormatError / CorruptCheckpointError: the file is invalid or damaged.
     """
+    keys = tensor_keys(reader)
+    tensors = _decode(reader, keys, range(len(keys)), references, reference_hint, progress)
+    return unflatten(reader.header.skeleton, tensors)
+
+
+def read_tensors(
+    reader: ContainerReader,
+    wanted: Optional[Collection[str]],
+    references: Optional[Mapping[str, torch.Tensor]] = None,
+    reference_hint: str = "pass base= with the state it was saved against",
+) -> dict[str, torch.Tensor]:
+    """Decode only the tensors whose formatted key path is in ``wanted`` (all if None).
+
+    A chain restore decodes of a base step only what a later step is stored against.
+    Keys in ``wanted`` that the file does not hold are skipped. Errors as :func:`read_state`.
+    """
+    keys = tensor_keys(reader)
+    indices = [i for i, key in enumerate(keys) if wanted is None or key in wanted]
+    tensors = _decode(reader, keys, indices, references, reference_hint, None)
+    return {keys[i]: tensor for i, tensor in zip(indices, tensors)}
+
+
+def referenced_keys(reader: ContainerReader, among: Optional[Collection[str]] = None) -> set[str]:
+    """Formatted key paths (of ``among``, or all) whose tensors are stored against a reference."""
+    return {
+        key
+        for key, record in zip(tensor_keys(reader), reader.header.tensors)
+        if record.reference is not None and (among is None or key in among)
+    }
+
+
+def tensor_keys(reader: ContainerReader) -> list[str]:
+    """The formatted key path of each tensor record, in record order.
+
+    Raises:
+        FormatError: the skeleton and the tensor records disagree.
+    """
     header = reader.header
     paths = tensor_paths(header.skeleton)
     if set(paths) != set(range(len(header.tensors))):
         raise FormatError(f"{reader.source}: skeleton and tensor records disagree")
+    return [format_key_path(paths[index]) for index in range(len(header.tensors))]
+
+
+def _decode(
+    reader: ContainerReader,
+    keys: Sequence[str],
+    indices: Sequence[int],
+    references: Optional[Mapping[str, torch.Tensor]],
+    reference_hint: str,
+    progress: Optional[ProgressCallback],
+) -> list[torch.Tensor]:
+    """The tensors of records ``indices``, decoded against ``references`` by key."""
+    records = [reader.header.tensors[index] for index in indices]
     references_in_order: list[Optional[torch.Tensor]] = []
-    wheres = []
-    for index, record in enumerate(header.tensors):
-        key = format_key_path(paths[index])
+    for index, record in zip(indices, records):
         reference = None
         if record.reference is not None:
-            reference = references.get(key) if references else None
+            reference = references.get(keys[index]) if references else None
             if reference is None:
                 raise BrokenChainError(
-                    f"{reader.source}: tensor {key} is stored as a delta against "
+                    f"{reader.source}: tensor {keys[index]} is stored as a delta against "
                     f"{record.reference!r}, which was not given; {reference_hint}"
                 )
         references_in_order.append(reference)
-        wheres.append(f"tensor {key}")
+    wheres = [f"tensor {keys[index]}" for index in indices]
     # Tensors decode in parallel, in batches of about _READ_BATCH_BYTES of raw data, so that
     # progress is reported as it happens.
     tensors: list[torch.Tensor] = []
-    total = sum(record.spec.nbytes for record in header.tensors)
+    total = sum(record.spec.nbytes for record in records)
     done = 0
     start = 0
-    while start < len(header.tensors):
+    while start < len(records):
         end, batch_bytes = start, 0
-        while end < len(header.tensors) and (end == start or batch_bytes < _READ_BATCH_BYTES):
-            batch_bytes += header.tensors[end].spec.nbytes
+        while end < len(records) and (end == start or batch_bytes < _READ_BATCH_BYTES):
+            batch_bytes += records[end].spec.nbytes
             end += 1
-        tensors += reader.decode_many(header.tensors[start:end], references_in_order[start:end], wheres[start:end])
+        tensors += reader.decode_many(records[start:end], references_in_order[start:end], wheres[start:end])
         done += batch_bytes
         start = end
         if progress is not None:
             progress(done, total)
-    return unflatten(header.skeleton, tensors)
+    return tensors

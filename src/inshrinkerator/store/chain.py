@@ -13,12 +13,12 @@ import torch
 
 from ..container import ContainerReader
 from ..errors import BrokenChainError, CheckpointNotFoundError, CorruptCheckpointError
-from ..serialize import read_state, reference_map
+from ..serialize import read_state, read_tensors, referenced_keys
 from .commit import read_manifest
 from .manifest import StepManifest
 from .storage import RunStorage
 
-__all__ = ["resolve_chain", "read_step_state", "load_chain", "load_step"]
+__all__ = ["resolve_chain", "open_step", "read_step_state", "load_chain", "load_step"]
 
 
 def resolve_chain(storage: RunStorage, step: int) -> list[StepManifest]:
@@ -46,13 +46,8 @@ def resolve_chain(storage: RunStorage, step: int) -> list[StepManifest]:
     return chain
 
 
-def read_step_state(
-    storage: RunStorage,
-    manifest: StepManifest,
-    references: Optional[Mapping[str, torch.Tensor]],
-    needed_by: Optional[int] = None,
-) -> Any:
-    """Decode one step's data file against the reconstruction of its base (if a delta).
+def open_step(storage: RunStorage, manifest: StepManifest, needed_by: Optional[int] = None) -> ContainerReader:
+    """Open one step's data file, checked against its manifest.
 
     ``needed_by`` is the step being restored when this one is only its base, for messages.
     """
@@ -64,27 +59,50 @@ def read_step_state(
         if needed_by is not None and needed_by != manifest.step:
             raise BrokenChainError(f"{message}, and step {needed_by} is stored against it") from None
         raise CorruptCheckpointError(f"{message}; the run was damaged") from None
-    with ContainerReader(handle, where) as reader:
-        size = reader.data_start + reader.header.data_bytes
-        if size != manifest.data_bytes or reader.meta.get("step", manifest.step) != manifest.step:
-            raise CorruptCheckpointError(
-                f"{where}: file does not match the manifest of step {manifest.step} "
-                f"({size} bytes, manifest says {manifest.data_bytes})"
-            )
-        hint = f"step {manifest.base_step} of the run must decode first"
-        return read_state(reader, references, reference_hint=hint)
+    reader = ContainerReader(handle, where)
+    size = reader.data_start + reader.header.data_bytes
+    if size != manifest.data_bytes or reader.meta.get("step", manifest.step) != manifest.step:
+        reader.close()
+        raise CorruptCheckpointError(
+            f"{where}: file does not match the manifest of step {manifest.step} "
+            f"({size} bytes, manifest says {manifest.data_bytes})"
+        )
+    return reader
+
+
+def read_step_state(
+    storage: RunStorage,
+    manifest: StepManifest,
+    references: Optional[Mapping[str, torch.Tensor]],
+    needed_by: Optional[int] = None,
+) -> Any:
+    """Decode one step's data file against the reconstruction of its base (if a delta)."""
+    with open_step(storage, manifest, needed_by) as reader:
+        return read_state(reader, references, reference_hint=_base_hint(manifest))
 
 
 def load_chain(storage: RunStorage, chain: list[StepManifest]) -> Any:
-    """Decode a chain from :func:`resolve_chain`; the state of its last step."""
+    """Decode a chain from :func:`resolve_chain`; the state of its last step.
+
+    A base step decodes only the tensors that the step above it is stored against (an
+    optimizer moment coded afresh at every step is decoded once, at the end), found from
+    the headers first, top down.
+    """
     target = chain[-1].step
+    wanted: list[Optional[set[str]]] = [None] * len(chain)
+    for index in range(len(chain) - 1, 0, -1):
+        with open_step(storage, chain[index], needed_by=target) as reader:
+            wanted[index - 1] = referenced_keys(reader, wanted[index])
     references: Optional[dict[str, torch.Tensor]] = None
-    state: Any = None
-    for manifest in chain:
-        state = read_step_state(storage, manifest, references, needed_by=target)
-        if manifest is not chain[-1]:
-            references = reference_map(state)
-    return state
+    for manifest, keys in zip(chain[:-1], wanted):
+        with open_step(storage, manifest, needed_by=target) as reader:
+            references = read_tensors(reader, keys, references, reference_hint=_base_hint(manifest))
+    with open_step(storage, chain[-1], needed_by=target) as reader:
+        return read_state(reader, references, reference_hint=_base_hint(chain[-1]))
+
+
+def _base_hint(manifest: StepManifest) -> str:
+    return f"step {manifest.base_step} of the run must decode first"
 
 
 def load_step(storage: RunStorage, step: int) -> Any:
