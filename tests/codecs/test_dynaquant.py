@@ -142,7 +142,10 @@ def test_config_round_trips_and_bad_options_are_refused() -> None:
 
 @pytest.mark.parametrize("case", golden_cases("dynaquant") + golden_cases("dynaquant_delta"), ids=lambda p: p.name)
 def test_golden_files_decode_and_encode_the_same(case) -> None:
-    check_golden(case)
+    # Older stream versions pin what readers must still decode; their levels came from the
+    # encoder of that time (k-means++ seeds were drawn differently), so only the current
+    # version's cases must also encode the same.
+    check_golden(case, encodes=not case.name.startswith(("v1_", "v2_")))
 
 
 def test_goldens_exist() -> None:

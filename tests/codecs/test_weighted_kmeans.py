@@ -7,7 +7,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inshrinkerator.codecs.weighted_kmeans import histogram_sample_weights, nearest_level, weighted_kmeans_1d
+from inshrinkerator.codecs.weighted_kmeans import (
+    histogram_sample_weights,
+    kmeans_plus_plus_1d,
+    nearest_level,
+    weighted_kmeans_1d,
+)
 
 
 def _loss(points: torch.Tensor, weights: torch.Tensor, centroids: torch.Tensor) -> float:
@@ -52,6 +57,28 @@ def test_deterministic_and_warm_started() -> None:
     assert torch.equal(first, weighted_kmeans_1d(points, weights, 6, seed=3))
     again = weighted_kmeans_1d(points, weights, 6, init=first)
     assert torch.allclose(again, first)
+
+
+def test_seeding_draws_in_proportion_to_weight_and_never_a_weightless_point() -> None:
+    # The first seed is drawn with probability proportional to weight: over many seeds the
+    # frequencies match (3 sigma of a binomial), and a zero-weight point is never drawn.
+    points = torch.arange(5, dtype=torch.float64)
+    weights = torch.tensor([0.0, 1.0, 0.0, 3.0, 6.0], dtype=torch.float64)
+    draws = 4000
+    counts = torch.zeros(5)
+    for seed in range(draws):
+        first = kmeans_plus_plus_1d(points, weights, 1, torch.Generator().manual_seed(seed))
+        counts[int(first[0])] += 1
+    assert counts[0] == 0 and counts[2] == 0
+    expected = weights / weights.sum() * draws
+    spread = (expected * (1 - weights / weights.sum())).sqrt()
+    assert bool(((counts.double() - expected).abs() <= 3 * spread + 1e-9).all()), counts
+
+
+def test_seeding_stops_when_every_point_is_a_seed() -> None:
+    points = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    seeds = kmeans_plus_plus_1d(points, torch.ones(3, dtype=torch.float64), 10, torch.Generator().manual_seed(0))
+    assert torch.equal(seeds, points)
 
 
 def test_sample_weights_blend_counts_and_magnitudes() -> None:

@@ -44,28 +44,36 @@ def kmeans_plus_plus_1d(
     points: torch.Tensor, weights: torch.Tensor, k: int, generator: torch.Generator
 ) -> torch.Tensor:
     """``k`` seeds drawn by weighted k-means++ (the first ∝ weight, then ∝ weight·distance²)."""
-    chosen = [_draw(weights, generator)]
-    distance = (points - points[chosen[0]]) ** 2
+    first = _draw(torch.cumsum(weights, 0), generator)
+    if first is None:
+        raise ValueError("weighted k-means++ needs a point with positive weight")
+    chosen = [first]
+    distance = (points - points[first]) ** 2
     for _ in range(1, k):
-        score = weights * distance
-        total = float(score.sum())
-        if total <= 0.0:
+        index = _draw(torch.cumsum(weights * distance, 0), generator)
+        if index is None:
             break  # every point already coincides with a seed
-        index = _draw(score / total, generator)
         chosen.append(index)
         distance = torch.minimum(distance, (points - points[index]) ** 2)
     return torch.sort(points[chosen]).values
 
 
-def _draw(probabilities: torch.Tensor, generator: torch.Generator) -> int:
-    """One index drawn in proportion to ``probabilities`` (finite, >= 0, not all 0).
+def _draw(cumulative: torch.Tensor, generator: torch.Generator) -> Optional[int]:
+    """One index drawn in proportion to the increments of ``cumulative`` (a running sum of
+    finite non-negative scores); None when they are all 0.
 
-    The exponential race ``argmax(p / Exp(1))``, which is how ``torch.multinomial`` draws
-    one sample (the same draws from the same generator), without its input checks: three
-    reductions and two host syncs per draw, most of the cost of a k-means++ seeding.
+    Inverse-CDF sampling: one uniform number and one binary search per draw, where an
+    exponential race (``torch.multinomial``) draws a random number per point, which made
+    most of the cost of a k-means++ seeding. One host sync per draw.
     """
-    noise = torch.empty_like(probabilities).exponential_(1, generator=generator)
-    return int(torch.argmax(probabilities / noise))
+    target = torch.rand(1, generator=generator, dtype=cumulative.dtype, device=cumulative.device) * cumulative[-1:]
+    index = int(torch.searchsorted(cumulative, target, right=True))
+    if index < cumulative.numel():
+        return index
+    # The target rounded up to the total (or the total is 0): the last point that adds to it.
+    if float(cumulative[-1]) <= 0.0:
+        return None
+    return int(torch.searchsorted(cumulative, cumulative[-1:], right=False))
 
 
 def nearest_level(points: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
