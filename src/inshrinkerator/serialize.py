@@ -150,11 +150,18 @@ def read_tensors(
 ) -> dict[str, torch.Tensor]:
     """Decode only the tensors whose formatted key path is in ``wanted`` (all if None).
 
-    A chain restore decodes of a base step only what a later step is stored against.
-    Keys in ``wanted`` that the file does not hold are skipped. Errors as :func:`read_state`.
+    A chain restore decodes of a base step only what a later step is stored against. The
+    other tensors' sections are still read and checksummed, so damage anywhere in a base
+    still breaks the steps stored against it. Keys in ``wanted`` that the file does not
+    hold are skipped. Errors as :func:`read_state`.
     """
     keys = tensor_keys(reader)
     indices = [i for i, key in enumerate(keys) if wanted is None or key in wanted]
+    if len(indices) < len(keys):
+        chosen = set(indices)
+        for index, record in enumerate(reader.header.tensors):
+            if index not in chosen:
+                reader.read_streams(record)  # CorruptCheckpointError on a damaged section
     tensors = _decode(reader, keys, indices, references, reference_hint, None)
     return {keys[i]: tensor for i, tensor in zip(indices, tensors)}
 

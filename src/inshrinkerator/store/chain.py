@@ -86,7 +86,8 @@ def load_chain(storage: RunStorage, chain: list[StepManifest]) -> Any:
 
     A base step decodes only the tensors that the step above it is stored against (an
     optimizer moment coded afresh at every step is decoded once, at the end), found from
-    the headers first, top down.
+    the headers first, top down; its other sections are checksummed, not decoded, so
+    damage anywhere in a base still fails the restore.
     """
     target = chain[-1].step
     wanted: list[Optional[set[str]]] = [None] * len(chain)

@@ -118,12 +118,13 @@ def verify_run(url: RunLocation) -> list[str]:
     for step in list_steps(storage, names):
         try:
             manifest = read_manifest(storage, step)
-            if manifest.base_step is None or (manifest.base_step == previous_step and previous is not None):
-                state = read_step_state(storage, manifest, previous if manifest.base_step is not None else None)
-            else:
-                # Its base did not decode whole (or is out of order): restore it the way a
-                # load does, through its chain, which decodes of a base only what it needs.
-                state = load_step(storage, step)
+            references = None
+            if manifest.base_step is not None:
+                if manifest.base_step == previous_step and previous is not None:
+                    references = previous
+                else:
+                    references = reference_map(load_step(storage, manifest.base_step))
+            state = read_step_state(storage, manifest, references)
             previous_step, previous = step, reference_map(state)
         except ConnectionError:
             raise
