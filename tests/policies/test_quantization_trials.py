@@ -95,3 +95,52 @@ def test_trial_levels_and_error_match_a_fit_of_the_whole_kept_histogram(
     rounding = float((counts[occupied].double() * ((centres - chosen) ** 2 + spread * centres**2)).sum())
     expected = (PRUNE_PENALTY * result.pruned_error + rounding) / trial.total_plain
     assert result.error == pytest.approx(expected, rel=1e-12, abs=1e-300)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 1000),
+    prune=st.sampled_from([0.0, 0.2, 0.5]),
+    protect=st.sampled_from([0.0, 0.01, 0.1]),
+    metric=st.sampled_from([MAGNITUDE, SENSITIVITY]),
+    announce=st.booleans(),
+)
+def test_sensitivity_trials_keep_what_their_element_masks_keep(
+    seed: int, prune: float, protect: float, metric: str, announce: bool
+) -> None:
+    # Where sensitivity decides, the kept histogram comes from a table of (key, sensitivity
+    # class) cells: it must hold exactly the elements the trial's element masks keep.
+    generator = torch.Generator().manual_seed(seed)
+    weights = torch.randn(5000, generator=generator) * 0.05
+    weights[::7] = 0.0
+    fisher = torch.rand(5000, generator=generator) + 0.1
+    sensitivity = (weights * torch.randn(5000, generator=generator)).abs()
+    trial = WeightTrial(weights, "linear", fisher, sensitivity, sigma=0.5)
+    counts = trial.sensitivity_counts if metric == SENSITIVITY else trial.magnitude_counts
+    threshold = quantile_key(counts, prune)
+    if announce:  # as a search does: every cut it may ask for, up front
+        trial.expect_sensitivity_cuts([quantile_key(trial.sensitivity_counts, f) for f in (0.2, 0.5)], [0.01, 0.1])
+    trial.run(TrialConfig(bins=4, prune=0.5, protect=0.1, metric=metric), quantile_key(counts, 0.5))
+    result = trial.run(TrialConfig(bins=8, prune=prune, protect=protect, metric=metric), threshold)
+    table = result.table
+    keys = trial.keys.long()
+    magnitude = keys & (MAGNITUDE_KEYS - 1)
+    protected = magnitude > table.protect_above
+    if result.protect_mask is not None:
+        protected |= result.protect_mask
+    pruned = (magnitude < table.prune_below) & ~protected
+    if result.prune_mask is not None:
+        pruned |= result.prune_mask & ~protected
+    kept = ~(protected | pruned)
+    expected_counts = torch.bincount(keys[kept], minlength=SIGNED_KEYS)
+    expected_mass = torch.bincount(keys[kept], weights=fisher[kept].double(), minlength=SIGNED_KEYS)
+    histogram = trial._kept(
+        table.prune_below, table.protect_above,
+        threshold if result.prune_mask is not None else None,
+        quantile_key(trial.sensitivity_counts, 1.0 - protect) if result.protect_mask is not None else None,
+    )
+    assert torch.equal(histogram.keys, torch.nonzero(expected_counts).reshape(-1))
+    assert torch.equal(histogram.counts, expected_counts[histogram.keys])
+    assert torch.allclose(histogram.mass, expected_mass[histogram.keys], rtol=1e-5)
+    assert histogram.pruned_count == float(pruned.sum())
+    assert histogram.protected_count == float(protected.sum())

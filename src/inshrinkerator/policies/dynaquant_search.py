@@ -261,6 +261,7 @@ class ConfigurationCube:
         self._thresholds: dict[tuple[str, str], dict[float, int]] = {}
         self._baseline: Optional[float] = None
         self._quality: dict[tuple[Point, str], float] = {}
+        self._announced: set[int] = set()  # trials told the sensitivity cuts they will be asked
         self.oracles = {metric: MonotoneOracle(lambda p, m=metric: self.feasible(p, m)) for metric in self.metrics}
         #: (index, point, metric) -> bins chosen for that tensor by :meth:`refine`
         self.refined: dict[tuple[int, Point, str], int] = {}
@@ -294,6 +295,11 @@ class ConfigurationCube:
 
     def result(self, index: int, point: Point, metric: str) -> TrialResult:
         trial = self.trials[index]
+        if trial.has_sensitivity and index not in self._announced:
+            self._announced.add(index)
+            trial.expect_sensitivity_cuts(
+                [self._threshold(trial.layer_type, SENSITIVITY, fraction) for fraction in self.axes[2]], self.axes[3]
+            )
         config = self.config(index, point, metric)
         if metric == SENSITIVITY and not trial.has_sensitivity:
             config = TrialConfig(config.bins, config.prune, config.protect, MAGNITUDE)

@@ -8,7 +8,8 @@ masks when a sensitivity score decides), the fitted centroids, the proxy (the
 larger of the plain and the Fisher-weighted relative squared error) and an
 estimate of the coded size — without touching
 the elements again when magnitude decides (whole buckets are pruned or
-protected), with one cached pass per prune fraction when sensitivity does. The
+protected); when sensitivity decides, from a table of (key, sensitivity class)
+cells made in one pass, whose class boundaries are the search's cuts. The
 error counts every bucket at its centre plus the spread inside it, so it tracks
 the real quantization error to the sketch's accuracy.
 """
@@ -16,8 +17,9 @@ the real quantization error to the sketch's accuracy.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -61,6 +63,17 @@ class TrialResult:
     error: float
     estimated_bits: float
     pruned_error: float = 0.0  # sum of w^2 over the pruned elements
+
+
+class _ClassTable(NamedTuple):
+    """Element counts and proxy mass per (signed key, sensitivity class); the rows of the
+    occupied keys only. Class ``c``: ``c`` of the sorted ``boundaries`` are <= the
+    element's sensitivity key."""
+
+    boundaries: list[int]
+    rows: torch.Tensor
+    counts: torch.Tensor
+    mass: torch.Tensor
 
 
 def quantile_key(counts: torch.Tensor, fraction: float) -> int:
@@ -116,20 +129,61 @@ class WeightTrial:
         if self.sensitivity_keys is not None:
             self.sensitivity_counts = torch.bincount(self.sensitivity_keys, minlength=MAGNITUDE_KEYS).cpu()
         self._cache: dict[tuple, object] = {}
+        self._classes: Optional[_ClassTable] = None
         self._seeds: dict[int, torch.Tensor] = {}
+        self._expected_bounds: set[int] = set()
 
     @property
     def has_sensitivity(self) -> bool:
         return self.sensitivity_keys is not None
 
-    def _histogram_of(self, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Counts and proxy mass of the elements in ``mask``, per key."""
-        keys = self.keys[mask]
-        counts = torch.bincount(keys, minlength=SIGNED_KEYS).cpu()
+    def expect_sensitivity_cuts(self, prune_thresholds: Sequence[int], protect_fractions: Sequence[float]) -> None:
+        """Announce the sensitivity prune thresholds and protect fractions a search may try,
+        so that the class table behind sensitivity trials is built in one pass."""
+        if self.sensitivity_counts is None:
+            return
+        self._expected_bounds.update(threshold for threshold in prune_thresholds if threshold > 0)
+        for fraction in protect_fractions:
+            if fraction > 0:
+                self._expected_bounds.add(quantile_key(self.sensitivity_counts, 1.0 - fraction) + 1)
+
+    def _class_table(self, bounds: set[int]) -> "_ClassTable":
+        """Counts and proxy mass per (occupied signed key, sensitivity class), with ``bounds``
+        among the class boundaries.
+
+        Class ``c`` holds the elements with exactly ``c`` boundaries at or below their
+        sensitivity key, so every prune threshold and protect cut of the search is a class
+        boundary and a trial's kept histogram is a sum over classes, not a pass over the
+        elements. Made in one pass, again only if a boundary that was not announced
+        (:meth:`expect_sensitivity_cuts`) is asked for.
+        """
+        table = self._classes
+        if table is not None and bounds <= set(table.boundaries):
+            return table
+        sensitivity_keys = self.sensitivity_keys
+        if sensitivity_keys is None:
+            raise RuntimeError("a sensitivity class table needs sensitivity scores")
+        known = set(table.boundaries) if table is not None else set()
+        boundaries = sorted(known | bounds | self._expected_bounds)
+        device = self.keys.device
+        classes = len(boundaries) + 1
+        # The class of every sensitivity key, looked up per element (a search per element
+        # costs ~10x more); cells in int32 (SIGNED_KEYS * classes is far below 2**31).
+        edges = torch.tensor(boundaries, dtype=torch.int32, device=device)
+        class_of_key = torch.bucketize(
+            torch.arange(MAGNITUDE_KEYS, dtype=torch.int32, device=device), edges, right=True, out_int32=True
+        )
+        cell = self.keys * classes + class_of_key[sensitivity_keys]
+        counts = torch.bincount(cell, minlength=SIGNED_KEYS * classes).view(SIGNED_KEYS, classes)
         if self.weights is None:
-            return counts, counts.double()
-        mass = torch.bincount(keys, weights=self.weights[mask], minlength=SIGNED_KEYS).double().cpu()
-        return counts, mass
+            mass = counts.double()
+        else:
+            mass = torch.bincount(cell, weights=self.weights, minlength=SIGNED_KEYS * classes).double()
+            mass = mass.view(SIGNED_KEYS, classes)
+        # Only the occupied keys are kept (a few thousand rows of SIGNED_KEYS).
+        rows = torch.nonzero(counts.sum(1)).reshape(-1)
+        self._classes = _ClassTable(boundaries, rows.cpu(), counts[rows].cpu(), mass[rows].cpu())
+        return self._classes
 
     def _sensitivity_prune(self, threshold: int) -> Optional[torch.Tensor]:
         if threshold <= 0 or self.sensitivity_keys is None:
@@ -139,16 +193,18 @@ class WeightTrial:
             self._cache[key] = self.sensitivity_keys < threshold
         return self._cache[key]  # type: ignore[return-value]
 
-    def _sensitivity_protect(self, fraction: float) -> Optional[torch.Tensor]:
+    def _sensitivity_protect(self, fraction: float) -> tuple[Optional[torch.Tensor], int]:
+        """The elements a sensitivity protect ``fraction`` keeps in 16 bits (None if none),
+        and the cut: those with a sensitivity key above it."""
         key = ("protect", fraction)
         if key not in self._cache:
-            mask = None
+            mask, cut = None, -1
             if fraction > 0 and self.sensitivity_counts is not None:
                 cut = quantile_key(self.sensitivity_counts, 1.0 - fraction)
                 mask = self.sensitivity_keys > cut
                 if not bool(mask.any()):
                     mask = None
-            self._cache[key] = mask
+            self._cache[key] = (mask, cut)
         return self._cache[key]  # type: ignore[return-value]
 
     def _protect_above(self, fraction: float) -> int:
@@ -161,21 +217,23 @@ class WeightTrial:
         self,
         prune_below: int,
         protect_above: int,
-        prune_mask: Optional[torch.Tensor],
-        protect_mask: Optional[torch.Tensor],
-        mask_key: tuple,
+        prune_below_sensitivity: Optional[int],
+        protect_above_sensitivity: Optional[int],
     ) -> "_KeptHistogram":
         """What stays after pruning and protecting, as the occupied buckets only.
 
-        Shared by every trial with the same thresholds and masks (they differ in bins and
-        warm start only), so the dense passes over the key space run once per threshold pair.
+        Magnitude prunes keys below ``prune_below`` and protects keys above
+        ``protect_above``; where sensitivity decides too, elements with a sensitivity key
+        below ``prune_below_sensitivity`` are pruned and above ``protect_above_sensitivity``
+        protected (None: not by sensitivity). Shared by every trial with the same
+        thresholds (they differ in bins and warm start only).
         """
-        key = ("kept", prune_below, protect_above, mask_key)
+        key = ("kept", prune_below, protect_above, prune_below_sensitivity, protect_above_sensitivity)
         if key in self._cache:
             return self._cache[key]  # type: ignore[return-value]
         pruned_buckets = _MAGNITUDE_OF_KEY < prune_below
         protected_buckets = _MAGNITUDE_OF_KEY > protect_above
-        if prune_mask is None and protect_mask is None:
+        if prune_below_sensitivity is None and protect_above_sensitivity is None:
             # Magnitude decides alone: whole buckets are pruned (error x^2) or protected (~0).
             removed = pruned_buckets | protected_buckets
             counts = torch.where(removed, 0, self.counts)
@@ -185,16 +243,32 @@ class WeightTrial:
             pruned_count = float(torch.where(pruned_buckets, self.counts, 0).sum())
             protected_count = float(torch.where(protected_buckets, self.counts, 0).sum())
         else:
-            magnitude = self.keys & (MAGNITUDE_KEYS - 1)
-            protected = magnitude > protect_above
-            if protect_mask is not None:
-                protected |= protect_mask
-            pruned = (magnitude < prune_below) & ~protected
-            if prune_mask is not None:
-                pruned |= prune_mask & ~protected
-            counts, mass = self._histogram_of(~(protected | pruned))
-            pruned_counts = self._histogram_of(pruned)[0]
-            pruned_count, protected_count = float(pruned.sum()), float(protected.sum())
+            # Per (key, sensitivity class) cell, which is pruned, protected or kept.
+            bounds = set()
+            if prune_below_sensitivity is not None:
+                bounds.add(prune_below_sensitivity)
+            if protect_above_sensitivity is not None:
+                bounds.add(protect_above_sensitivity + 1)
+            table = self._class_table(bounds)
+            boundaries, rows, cell_counts, cell_mass = table.boundaries, table.rows, table.counts, table.mass
+            classes = torch.arange(len(boundaries) + 1)
+            by_sensitivity_pruned = torch.zeros(classes.numel(), dtype=torch.bool)
+            by_sensitivity_protected = torch.zeros(classes.numel(), dtype=torch.bool)
+            if prune_below_sensitivity is not None:
+                by_sensitivity_pruned = classes <= boundaries.index(prune_below_sensitivity)
+            if protect_above_sensitivity is not None:
+                by_sensitivity_protected = classes > boundaries.index(protect_above_sensitivity + 1)
+            protected = protected_buckets[rows, None] | by_sensitivity_protected[None, :]
+            pruned = (pruned_buckets[rows, None] | by_sensitivity_pruned[None, :]) & ~protected
+            kept_cells = ~(protected | pruned)
+            counts = torch.zeros(SIGNED_KEYS, dtype=cell_counts.dtype)
+            counts[rows] = torch.where(kept_cells, cell_counts, 0).sum(1)
+            mass = torch.zeros(SIGNED_KEYS, dtype=torch.float64)
+            mass[rows] = torch.where(kept_cells, cell_mass, 0.0).sum(1)
+            pruned_counts = torch.zeros(SIGNED_KEYS, dtype=cell_counts.dtype)
+            pruned_counts[rows] = torch.where(pruned, cell_counts, 0).sum(1)
+            pruned_count = float(pruned_counts.sum())
+            protected_count = float(torch.where(protected, cell_counts, 0).sum())
         # Pruned elements are weighted by the tensor's mean proxy weight, not their own: a
         # weight whose gradient is small now (a tiny Fisher estimate) need not stay
         # unimportant, and zeroing many of them at once moves the model coherently.
@@ -222,10 +296,12 @@ class WeightTrial:
         use_sensitivity = config.metric == SENSITIVITY and self.has_sensitivity
         prune_below = 1 if use_sensitivity else max(prune_threshold, 1)
         prune_mask = self._sensitivity_prune(prune_threshold) if use_sensitivity else None
-        protect_mask = self._sensitivity_protect(config.protect)
-        mask_key = (prune_threshold if use_sensitivity and prune_mask is not None else -1, config.protect
-                    if protect_mask is not None else -1)
-        kept = self._kept(prune_below, protect_above, prune_mask, protect_mask, mask_key)
+        protect_mask, protect_cut = self._sensitivity_protect(config.protect)
+        kept = self._kept(
+            prune_below, protect_above,
+            prune_threshold if prune_mask is not None else None,
+            protect_cut if protect_mask is not None else None,
+        )
         if init is None:
             init = self._seeds.get(config.bins)
         centroids = kept.fit(config.bins, init)
