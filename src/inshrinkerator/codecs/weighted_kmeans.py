@@ -123,16 +123,22 @@ def weighted_kmeans_1d(
     # Points are sorted, so every cluster is a contiguous run: Lloyd's update needs only
     # where each decision boundary cuts the points, and prefix sums give the cluster means
     # (weight and weighted position in one table, so each step is one gather and one diff).
+    # The cuts and boundaries are written into buffers kept across iterations: a k-means
+    # runs hundreds of times per save, on a few thousand points, where allocating and
+    # concatenating small tensors costs as much as the arithmetic.
     prefix = torch.nn.functional.pad(torch.cumsum(torch.stack([weights, weights * points]), 1), (1, 0))
-    ends = torch.tensor([0, points.numel()], device=points.device)
-    bounds = None
+    bounds = torch.empty(centroids.numel() + 1, dtype=torch.long, device=points.device)
+    bounds[0], bounds[-1] = 0, points.numel()
+    cuts = bounds[1:-1]
+    previous = torch.empty_like(bounds)
+    boundaries = torch.empty(centroids.numel() - 1, dtype=points.dtype, device=points.device)
     converged = False
-    for _ in range(iterations):
-        new_bounds = _cluster_bounds(points, centroids, ends)
-        if bounds is not None and torch.equal(new_bounds, bounds):
+    for iteration in range(iterations):
+        _cut(points, centroids, boundaries, cuts)
+        if iteration and torch.equal(bounds, previous):
             converged = True
             break
-        bounds = new_bounds
+        previous.copy_(bounds)
         mass, moment = torch.diff(prefix.index_select(1, bounds), dim=1)
         # An empty cluster keeps its position; the final cleanup drops it.
         centroids = torch.sort(torch.where(mass > 0, moment / mass.clamp_min(1e-300), centroids)).values
@@ -141,18 +147,18 @@ def weighted_kmeans_1d(
     # starts a thread team per call, which costs milliseconds on a busy machine). After
     # convergence the last cuts are those of the final centroids.
     if not converged:
-        bounds = _cluster_bounds(points, centroids, ends)
+        _cut(points, centroids, boundaries, cuts)
     used = torch.nonzero(torch.diff(bounds) > 0).reshape(-1)
     # Means of clusters of tiny values (e.g. 1e-114 and 1e-213) can round to the same value.
     return torch.unique(centroids[used])
 
 
-def _cluster_bounds(points: torch.Tensor, centroids: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    """Where the clusters of the sorted ``centroids`` start and end in the sorted ``points``:
-    ``ends[0]`` (0), the cut at each decision boundary, ``ends[1]`` (the number of points).
-    Ties go to the lower centroid, as in :func:`nearest_level`."""
-    boundaries = (centroids[1:] + centroids[:-1]) / 2
-    return torch.cat([ends[:1], torch.searchsorted(points, boundaries, right=True), ends[1:]])
+def _cut(points: torch.Tensor, centroids: torch.Tensor, boundaries: torch.Tensor, cuts: torch.Tensor) -> None:
+    """Where the decision boundaries of the sorted ``centroids`` cut the sorted ``points``,
+    into ``cuts`` (``boundaries`` is scratch). Ties go to the lower centroid, as in
+    :func:`nearest_level`."""
+    torch.add(centroids[1:], centroids[:-1], out=boundaries).mul_(0.5)
+    torch.searchsorted(points, boundaries, right=True, out=cuts)
 
 
 def float32_levels(
