@@ -262,6 +262,7 @@ class ConfigurationCube:
         self._baseline: Optional[float] = None
         self._quality: dict[tuple[Point, str], float] = {}
         self._announced: set[int] = set()  # trials told the sensitivity cuts they will be asked
+        self._hardest: Optional[int] = None  # the tensor that last put a point over budget
         self.oracles = {metric: MonotoneOracle(lambda p, m=metric: self.feasible(p, m)) for metric in self.metrics}
         #: (index, point, metric) -> bins chosen for that tensor by :meth:`refine`
         self.refined: dict[tuple[int, Point, str], int] = {}
@@ -365,8 +366,26 @@ class ConfigurationCube:
         return self._quality[key]
 
     def feasible(self, point: Point, metric: str) -> bool:
+        """Whether ``point`` meets the budget. Under the proxy an infeasible point is known
+        at its first tensor over budget: the tensor that failed last is tried first (it
+        usually fails again), and the others are not run at all."""
         self.evaluations += 1
-        return self.quality(point, metric) <= self.budget
+        key = (point, metric)
+        if self.evaluate is not None or key in self._quality:
+            return self.quality(point, metric) <= self.budget
+        order = list(self.trials)
+        if self._hardest in self.trials:
+            order.remove(self._hardest)
+            order.insert(0, self._hardest)
+        worst = 0.0
+        for index in order:
+            error = self.result(index, point, metric).error / self.scales.get(index, 1.0)
+            if error > self.budget:
+                self._hardest = index
+                return False
+            worst = max(worst, error)
+        self._quality[key] = worst
+        return True
 
     def _model_state(self, replace: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
         # The model state_dict: the leaves under the key-path prefix holding the most weights.
