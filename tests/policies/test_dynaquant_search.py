@@ -89,3 +89,38 @@ def test_neighbourhood_search_moves_one_axis_step() -> None:
 
 def test_cube_points_cover_the_cube() -> None:
     assert cube_points((2, 3)) == list(itertools.product(range(2), range(3)))
+
+
+def test_proxy_feasibility_agrees_with_the_quality_and_stops_at_the_first_failing_tensor() -> None:
+    import torch
+
+    from inshrinkerator.policies.dynaquant_search import ConfigurationCube
+    from inshrinkerator.policies.quantization_trials import WeightTrial
+    from inshrinkerator.tree import flatten
+
+    generator = torch.Generator().manual_seed(3)
+    state = {f"w{i}": torch.randn(2048, generator=generator) * (1.0 + i) for i in range(4)}
+    state["hard"] = torch.randn(4096, generator=generator)
+    leaves = flatten(state).tensors
+
+    def cube() -> ConfigurationCube:
+        trials = {i: WeightTrial(leaf.tensor, "linear", None, None, 1.0) for i, leaf in enumerate(leaves)}
+        return ConfigurationCube(trials, leaves, (64, 16, 4, 2), (128,), (0.0,), (0.0,), 0.002)
+
+    reference, checked = cube(), cube()
+    runs: list[int] = []
+    real_result = checked.result
+
+    def counting_result(index, point, metric):
+        runs.append(index)
+        return real_result(index, point, metric)
+
+    checked.result = counting_result  # type: ignore[method-assign]
+    for bins in range(4):
+        point = (bins, 0, 0, 0)
+        assert checked.feasible(point, "magnitude") == (reference.quality(point, "magnitude") <= 0.002)
+    coarsest = (3, 0, 0, 0)
+    assert reference.quality(coarsest, "magnitude") > 0.002
+    runs.clear()
+    assert not checked.feasible(coarsest, "magnitude")
+    assert len(runs) == 1  # the tensor that failed last fails first here too
