@@ -62,8 +62,9 @@ class MiniLMDocstrings(Workload):
     )
 
     #: its accuracy moves in steps of one test example (0.18%) and a restore moves a
-    #: lossy run by several: four seeds average that out
-    default_seeds = 4
+    #: lossy run by several (seeds of one policy spread by ~0.5%): eight seeds put the
+    #: standard error of a mean near 0.18%, well inside the 0.5% the yardstick judges
+    default_seeds = 8
 
     @property
     def size(self) -> WorkloadSize:
