@@ -91,6 +91,8 @@ def load_chain(storage: RunStorage, chain: list[StepManifest]) -> Any:
     """
     target = chain[-1].step
     wanted: list[Optional[set[str]]] = [None] * len(chain)
+    # Each file is opened twice (its header here, its data below) rather than kept open:
+    # a remote handle holds a read buffer, and chains can be long.
     for index in range(len(chain) - 1, 0, -1):
         with open_step(storage, chain[index], needed_by=target) as reader:
             wanted[index - 1] = referenced_keys(reader, wanted[index])
