@@ -11,7 +11,11 @@ default policy and a watched model (as the benchmark does). Measured:
   still running, also the wait for it) plus the final ``wait()`` for the last save;
 - **training**: the time spent in training steps. Compression runs on the other core
   meanwhile and competes with training for the CPU, so the same schedule is also trained
-  without any checkpointing and the slowdown is reported next to it (interleaved order).
+  without any checkpointing and the slowdown is reported next to it.
+
+Each workload is measured in a process of its own, the checkpointed run first: its first
+snapshot then pays for fresh memory (page faults) as a real run's first save does,
+instead of reusing what an earlier run in the process freed.
 
 Run: ``python benchmarks/async_overhead.py [--workload digits-cnn ...] [--out FILE]``
 """
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -72,8 +77,8 @@ def train(name: str, seed: int, checkpoint: bool) -> dict[str, Any]:
 
 
 def measure(name: str, seed: int) -> dict[str, Any]:
-    plain = train(name, seed, checkpoint=False)
     saving = train(name, seed, checkpoint=True)
+    plain = train(name, seed, checkpoint=False)
     blocked = saving["blocked_in_save_seconds"] + saving["final_wait_seconds"]
     return {
         "workload": name,
@@ -91,21 +96,29 @@ def main() -> None:
     parser.add_argument("--workload", action="append", choices=sorted(WORKLOADS), default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "async_overhead.json")
+    parser.add_argument("--child", choices=sorted(WORKLOADS), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child:  # one workload in this fresh process; the row goes to stdout as JSON
+        with torch_threads(1):
+            print(json.dumps(measure(args.child, args.seed)))
+        return
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     rows = []
-    with torch_threads(1):
-        for name in args.workload or DEFAULT_WORKLOADS:
-            row = measure(name, args.seed)
-            rows.append(row)
-            saving = row["async_dynaquant"]
-            print(
-                f"{name}: blocked {row['blocked_pct_of_training']:.2f} % of training "
-                f"(in save {saving['blocked_in_save_seconds']:.2f} s + final wait "
-                f"{saving['final_wait_seconds']:.2f} s over {saving['train_seconds']:.1f} s, "
-                f"{saving['saves']} saves); training slowdown {row['training_slowdown_pct']:+.1f} %",
-                flush=True,
-            )
+    for name in args.workload or DEFAULT_WORKLOADS:
+        child = subprocess.run(
+            [sys.executable, __file__, "--child", name, "--seed", str(args.seed)],
+            capture_output=True, text=True, check=True,
+        )
+        row = json.loads(child.stdout.strip().splitlines()[-1])
+        rows.append(row)
+        saving = row["async_dynaquant"]
+        print(
+            f"{name}: blocked {row['blocked_pct_of_training']:.2f} % of training "
+            f"(in save {saving['blocked_in_save_seconds']:.2f} s + final wait "
+            f"{saving['final_wait_seconds']:.2f} s over {saving['train_seconds']:.1f} s, "
+            f"{saving['saves']} saves); training slowdown {row['training_slowdown_pct']:+.1f} %",
+            flush=True,
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"commit": commit, "rows": rows}, indent=1), encoding="utf-8")
 
