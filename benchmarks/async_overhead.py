@@ -13,9 +13,9 @@ default policy and a watched model (as the benchmark does). Measured:
   meanwhile and competes with training for the CPU, so the same schedule is also trained
   without any checkpointing and the slowdown is reported next to it.
 
-Each workload is measured in a process of its own, the checkpointed run first: its first
-snapshot then pays for fresh memory (page faults) as a real run's first save does,
-instead of reusing what an earlier run in the process freed.
+Every run (each workload, with and without checkpoints) trains in a fresh process of
+its own: the first snapshot then pays for fresh memory (page faults) as a real run's
+first save does, and neither run inherits the other's warm-up.
 
 Run: ``python benchmarks/async_overhead.py [--workload digits-cnn ...] [--out FILE]``
 """
@@ -76,9 +76,17 @@ def train(name: str, seed: int, checkpoint: bool) -> dict[str, Any]:
     }
 
 
+def _train_in_child(name: str, seed: int, checkpoint: bool) -> dict[str, Any]:
+    command = [sys.executable, __file__, "--child", name, "--seed", str(seed)]
+    if checkpoint:
+        command.append("--checkpoint")
+    child = subprocess.run(command, capture_output=True, text=True, check=True)
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
 def measure(name: str, seed: int) -> dict[str, Any]:
-    saving = train(name, seed, checkpoint=True)
-    plain = train(name, seed, checkpoint=False)
+    saving = _train_in_child(name, seed, checkpoint=True)
+    plain = _train_in_child(name, seed, checkpoint=False)
     blocked = saving["blocked_in_save_seconds"] + saving["final_wait_seconds"]
     return {
         "workload": name,
@@ -97,19 +105,16 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "async_overhead.json")
     parser.add_argument("--child", choices=sorted(WORKLOADS), help=argparse.SUPPRESS)
+    parser.add_argument("--checkpoint", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.child:  # one workload in this fresh process; the row goes to stdout as JSON
+    if args.child:  # one run in this fresh process; its figures go to stdout as JSON
         with torch_threads(1):
-            print(json.dumps(measure(args.child, args.seed)))
+            print(json.dumps(train(args.child, args.seed, args.checkpoint)))
         return
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     rows = []
     for name in args.workload or DEFAULT_WORKLOADS:
-        child = subprocess.run(
-            [sys.executable, __file__, "--child", name, "--seed", str(args.seed)],
-            capture_output=True, text=True, check=True,
-        )
-        row = json.loads(child.stdout.strip().splitlines()[-1])
+        row = measure(name, args.seed)
         rows.append(row)
         saving = row["async_dynaquant"]
         print(
