@@ -378,7 +378,7 @@ class DynaQuant(Policy):
             # the reference when it moved (levels of its own values cannot hold a change
             # smaller than their spacing), else losslessly.
             origin = tuple(0 for _ in cube.shape)
-            hard = [i for i in indices if cube.result(i, origin, MAGNITUDE).error / scales.get(i, 1.0) > cube.budget]
+            hard = [i for i in indices if cube.tensor_error(i, origin, MAGNITUDE) > cube.budget]
             residual = [i for i in hard if i in moving]
             for index in residual:
                 inner = DynaQuantCodec(bins=RESIDUAL_BINS, prune=0.0, protect=0.0, sigma=self.sigma)

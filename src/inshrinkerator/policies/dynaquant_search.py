@@ -310,6 +310,10 @@ class ConfigurationCube:
             init = None
         return trial.run(config, threshold, init)
 
+    def tensor_error(self, index: int, point: Point, metric: str) -> float:
+        """The proxy's judgement of one tensor at ``point``: its error over its budget share."""
+        return self.result(index, point, metric).error / self.scales.get(index, 1.0)
+
     def refine(self, point: Point, metric: str, floors: Optional[dict[int, int]] = None) -> int:
         """Give each tensor the fewest bins that keep *its own* error within budget (proxy only).
 
@@ -333,15 +337,14 @@ class ConfigurationCube:
                 self.refined[(index, point, metric)] = floor
             if self.evaluate is not None:
                 continue
-            scale = self.scales.get(index, 1.0)
-            error = self.result(index, point, metric).error / scale
+            error = self.tensor_error(index, point, metric)
             chosen = self.config(index, point, metric).bins
             for bins in axis[position + 1:]:
                 if bins < floor:
                     break
                 self.refined[(index, point, metric)] = bins
                 runs += 1
-                trial_error = self.result(index, point, metric).error / scale
+                trial_error = self.tensor_error(index, point, metric)
                 if trial_error > self.budget:
                     break
                 chosen, error = bins, trial_error
@@ -358,9 +361,7 @@ class ConfigurationCube:
         key = (point, metric)
         if key not in self._quality:
             if self.evaluate is None:
-                self._quality[key] = max(
-                    self.result(i, point, metric).error / self.scales.get(i, 1.0) for i in self.trials
-                )
+                self._quality[key] = max(self.tensor_error(i, point, metric) for i in self.trials)
             else:
                 self._quality[key] = self._evaluated_loss(point, metric)
         return self._quality[key]
@@ -379,7 +380,7 @@ class ConfigurationCube:
             order.insert(0, self._hardest)
         worst = 0.0
         for index in order:
-            error = self.result(index, point, metric).error / self.scales.get(index, 1.0)
+            error = self.tensor_error(index, point, metric)
             if error > self.budget:
                 self._hardest = index
                 return False
