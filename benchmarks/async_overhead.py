@@ -14,15 +14,21 @@ default policy and a watched model (as the benchmark does). Measured:
   without any checkpointing and the slowdown is reported next to it.
 
 Every run (each workload, with and without checkpoints) trains in a fresh process of
-its own: the first snapshot then pays for fresh memory (page faults) as a real run's
-first save does, and neither run inherits the other's warm-up.
+its own: the first snapshot then pays for fresh memory as a real run's first save does,
+and neither run inherits the other's warm-up. Pauses of Python's cyclic garbage
+collector are timed in both runs, and those that fall inside ``save`` are reported
+apart: a save allocates objects, so it can make a full collection of the whole process
+due, and that pause grows with the number of objects the *training process* holds.
+``--gc-freeze`` calls ``gc.freeze()`` after the workload is built, in both runs (the
+usual remedy: objects alive after setup are no longer walked by collections).
 
-Run: ``python benchmarks/async_overhead.py [--workload digits-cnn ...] [--out FILE]``
+Run: ``python benchmarks/async_overhead.py [--workload digits-cnn ...] [--gc-freeze] [--out FILE]``
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import subprocess
 import sys
@@ -38,13 +44,37 @@ from inshrinkerator.store import CheckpointManager
 DEFAULT_WORKLOADS = ("digits-cnn", "stdlib-char-gpt", "minilm-docstrings")
 
 
-def train(name: str, seed: int, checkpoint: bool) -> dict[str, Any]:
+class _CollectorClock:
+    """Times the pauses of Python's cyclic garbage collector, and those inside a marked span."""
+
+    def __init__(self) -> None:
+        self.seconds = self.inside_seconds = 0.0
+        self.full_collections = 0
+        self.inside = False
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        pause = time.perf_counter() - self._started
+        self.seconds += pause
+        self.full_collections += info["generation"] == 2
+        if self.inside:
+            self.inside_seconds += pause
+
+
+def train(name: str, seed: int, checkpoint: bool, freeze: bool = False) -> dict[str, Any]:
     """One uninterrupted run; with ``checkpoint``, async saves every interval."""
     workload = make_workload(name, seed)
     workload.build()
+    if freeze:
+        gc.freeze()
     size = workload.size
     train_seconds = blocked_seconds = wait_seconds = 0.0
     saves = 0
+    clock = _CollectorClock()
+    gc.callbacks.append(clock)
     with tempfile.TemporaryDirectory() as folder:
         manager = CheckpointManager(folder, async_save=True) if checkpoint else None
         if manager is not None:
@@ -57,7 +87,9 @@ def train(name: str, seed: int, checkpoint: bool) -> dict[str, Any]:
                 if manager is not None and (step + 1) % size.checkpoint_every == 0:
                     state = {"step": step + 1, **workload.state()}
                     started = time.perf_counter()
+                    clock.inside = True
                     manager.save(step + 1, state)
+                    clock.inside = False
                     blocked_seconds += time.perf_counter() - started
                     saves += 1
             if manager is not None:
@@ -67,26 +99,33 @@ def train(name: str, seed: int, checkpoint: bool) -> dict[str, Any]:
         finally:
             if manager is not None:
                 manager.close()
+            gc.callbacks.remove(clock)
     return {
         "train_seconds": train_seconds,
         "blocked_in_save_seconds": blocked_seconds,
         "final_wait_seconds": wait_seconds,
         "saves": saves,
+        "gc_pause_seconds": clock.seconds,
+        "gc_pause_in_save_seconds": clock.inside_seconds,
+        "gc_full_collections": clock.full_collections,
+        "gc_frozen": freeze,
         "metric": workload.evaluate().value,
     }
 
 
-def _train_in_child(name: str, seed: int, checkpoint: bool) -> dict[str, Any]:
+def _train_in_child(name: str, seed: int, checkpoint: bool, freeze: bool) -> dict[str, Any]:
     command = [sys.executable, __file__, "--child", name, "--seed", str(seed)]
     if checkpoint:
         command.append("--checkpoint")
+    if freeze:
+        command.append("--gc-freeze")
     child = subprocess.run(command, capture_output=True, text=True, check=True)
     return json.loads(child.stdout.strip().splitlines()[-1])
 
 
-def measure(name: str, seed: int) -> dict[str, Any]:
-    saving = _train_in_child(name, seed, checkpoint=True)
-    plain = _train_in_child(name, seed, checkpoint=False)
+def measure(name: str, seed: int, freeze: bool) -> dict[str, Any]:
+    saving = _train_in_child(name, seed, checkpoint=True, freeze=freeze)
+    plain = _train_in_child(name, seed, checkpoint=False, freeze=freeze)
     blocked = saving["blocked_in_save_seconds"] + saving["final_wait_seconds"]
     return {
         "workload": name,
@@ -103,29 +142,39 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", action="append", choices=sorted(WORKLOADS), default=None)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "async_overhead.json")
+    parser.add_argument(
+        "--out", type=Path, default=None,
+        help="results/async_overhead.json (results/async_overhead_gc_frozen.json with --gc-freeze)",
+    )
     parser.add_argument("--child", choices=sorted(WORKLOADS), help=argparse.SUPPRESS)
+    parser.add_argument("--gc-freeze", action="store_true", help="gc.freeze() after building the workload")
     parser.add_argument("--checkpoint", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:  # one run in this fresh process; its figures go to stdout as JSON
         with torch_threads(1):
-            print(json.dumps(train(args.child, args.seed, args.checkpoint)))
+            print(json.dumps(train(args.child, args.seed, args.checkpoint, args.gc_freeze)))
         return
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     rows = []
     for name in args.workload or DEFAULT_WORKLOADS:
-        row = measure(name, args.seed)
+        row = measure(name, args.seed, args.gc_freeze)
         rows.append(row)
         saving = row["async_dynaquant"]
         print(
             f"{name}: blocked {row['blocked_pct_of_training']:.2f} % of training "
             f"(in save {saving['blocked_in_save_seconds']:.2f} s + final wait "
             f"{saving['final_wait_seconds']:.2f} s over {saving['train_seconds']:.1f} s, "
-            f"{saving['saves']} saves); training slowdown {row['training_slowdown_pct']:+.1f} %",
+            f"{saving['saves']} saves; garbage collector inside save {saving['gc_pause_in_save_seconds']:.2f} s); "
+            f"training slowdown {row['training_slowdown_pct']:+.1f} %",
             flush=True,
         )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"commit": commit, "rows": rows}, indent=1), encoding="utf-8")
+    out = args.out or Path(__file__).parent / "results" / (
+        "async_overhead_gc_frozen.json" if args.gc_freeze else "async_overhead.json"
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(
+        json.dumps({"commit": commit, "gc_frozen": args.gc_freeze, "rows": rows}, indent=1), encoding="utf-8"
+    )
 
 
 if __name__ == "__main__":
