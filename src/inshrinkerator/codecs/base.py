@@ -19,9 +19,9 @@ from typing import Any, ClassVar, Optional
 
 import torch
 
-from ..errors import FormatError
+from ..errors import BrokenChainError, FormatError
 
-__all__ = ["Codec", "Encoded", "TensorSpec", "dtype_from_name", "dtype_name", "Buffer"]
+__all__ = ["Codec", "Encoded", "TensorSpec", "dtype_from_name", "dtype_name", "matching_reference", "Buffer"]
 
 Buffer = "bytes | bytearray | memoryview"
 
@@ -74,6 +74,23 @@ class TensorSpec:
     @classmethod
     def of(cls, tensor: torch.Tensor) -> "TensorSpec":
         return cls(tensor.dtype, tuple(tensor.shape))
+
+
+def matching_reference(spec: TensorSpec, reference: Optional[torch.Tensor], stored_as: str) -> torch.Tensor:
+    """``reference``, checked to be a tensor of ``spec``'s dtype and shape.
+
+    Raises:
+        BrokenChainError: it is missing, or it is not what the tensor (stored as
+            ``stored_as``, e.g. "a residual") was taken against.
+    """
+    if reference is None:
+        raise BrokenChainError(f"this tensor is stored as {stored_as}; its reference tensor is missing")
+    if reference.dtype != spec.dtype or tuple(reference.shape) != spec.shape:
+        raise BrokenChainError(
+            f"the reference is {reference.dtype} {list(reference.shape)}, but {stored_as} was "
+            f"taken against {spec.dtype} {list(spec.shape)}"
+        )
+    return reference
 
 
 @dataclass

@@ -38,7 +38,7 @@ from typing import Any, Optional
 import torch
 
 from ..errors import BrokenChainError, CorruptCheckpointError
-from .base import Codec, Encoded, TensorSpec
+from .base import Codec, Encoded, TensorSpec, matching_reference
 from .entropy import decode_symbols, encode_symbols
 from .expansion_padding import PADDED_MAX_EXPANSION, check_padding_stream, padding_stream
 from .entropy_width_quantize import UniformGrid, check_bin_bounds, entropy_bin_count
@@ -47,17 +47,6 @@ from .registry import register_codec
 from .xor_delta import reference_checksum
 
 __all__ = ["CyclicCodeDeltaCodec"]
-
-
-def _checked_reference(spec: TensorSpec, reference: Optional[torch.Tensor]) -> torch.Tensor:
-    if reference is None:
-        raise BrokenChainError("this tensor is stored as a code delta; its reference tensor is missing")
-    if reference.dtype != spec.dtype or tuple(reference.shape) != spec.shape:
-        raise BrokenChainError(
-            f"the reference is {reference.dtype} {list(reference.shape)}, but the code delta was "
-            f"taken against {spec.dtype} {list(spec.shape)}"
-        )
-    return reference
 
 
 @register_codec
@@ -80,7 +69,7 @@ class CyclicCodeDeltaCodec(Codec):
         self.max_bins = max_bins
 
     def encode(self, tensor: torch.Tensor, reference: Optional[torch.Tensor] = None) -> Encoded:
-        reference = _checked_reference(TensorSpec.of(tensor), reference)
+        reference = matching_reference(TensorSpec.of(tensor), reference, "a code delta")
         flat = checked_float_input(tensor, self.codec_id)
         previous = checked_float_input(reference.to(flat.device), self.codec_id)
         grid = UniformGrid.spanning(flat, entropy_bin_count(flat, self.min_bins, self.max_bins))
@@ -100,7 +89,7 @@ class CyclicCodeDeltaCodec(Codec):
         spec: TensorSpec,
         reference: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        reference = _checked_reference(spec, reference)
+        reference = matching_reference(spec, reference, "a code delta")
         compute = require_float_spec(spec, self.codec_id)
         grid = UniformGrid.from_params(params, compute, self.codec_id, self.max_bins)
         if params.get("reference_crc32") != reference_checksum(reference):

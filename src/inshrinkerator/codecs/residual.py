@@ -19,7 +19,7 @@ from typing import Any, Optional, Union
 import torch
 
 from ..errors import BrokenChainError, FormatError
-from .base import Codec, Encoded, TensorSpec
+from .base import Codec, Encoded, TensorSpec, matching_reference
 from .expansion_padding import PADDED_MAX_EXPANSION
 from .lossy_input import checked_float_input, require_float_spec, working_dtype
 from .prepared import PreparedEncoding
@@ -27,17 +27,6 @@ from .registry import get_codec, register_codec
 from .xor_delta import reference_checksum
 
 __all__ = ["ResidualCodec"]
-
-
-def _checked_reference(spec: TensorSpec, reference: Optional[torch.Tensor]) -> torch.Tensor:
-    if reference is None:
-        raise BrokenChainError("this tensor is stored as a residual; its reference tensor is missing")
-    if reference.dtype != spec.dtype or tuple(reference.shape) != spec.shape:
-        raise BrokenChainError(
-            f"the reference is {reference.dtype} {list(reference.shape)}, but the residual was "
-            f"taken against {spec.dtype} {list(spec.shape)}"
-        )
-    return reference
 
 
 @register_codec
@@ -72,7 +61,7 @@ class ResidualCodec(PreparedEncoding, Codec):
         if prepared is not None:
             return prepared
         spec = TensorSpec.of(tensor)
-        reference = _checked_reference(spec, reference)
+        reference = matching_reference(spec, reference, "a residual")
         compute = working_dtype(tensor.dtype)
         flat = checked_float_input(tensor, self.codec_id)
         base = checked_float_input(reference.to(tensor.device), self.codec_id)
@@ -93,7 +82,7 @@ class ResidualCodec(PreparedEncoding, Codec):
         spec: TensorSpec,
         reference: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        reference = _checked_reference(spec, reference)
+        reference = matching_reference(spec, reference, "a residual")
         compute = require_float_spec(spec, self.codec_id)
         inner_params = params.get("inner")
         if not isinstance(inner_params, dict):

@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 
 from ..errors import BrokenChainError, FormatError
-from .base import Codec, Encoded, TensorSpec
+from .base import Codec, Encoded, TensorSpec, matching_reference
 from .byte_grouping import ByteGroupingCodec
 from .raw import tensor_byte_view
 from .registry import get_codec, register_codec
@@ -58,18 +58,8 @@ class XorDeltaCodec(Codec):
         if not self._inner.lossless or self._inner.uses_reference:
             raise ValueError("xor_delta needs a lossless inner codec that takes no reference")
 
-    def _check_reference(self, spec: TensorSpec, reference: Optional[torch.Tensor]) -> torch.Tensor:
-        if reference is None:
-            raise BrokenChainError("this tensor is stored as a delta; its reference tensor is missing")
-        if reference.dtype != spec.dtype or tuple(reference.shape) != spec.shape:
-            raise BrokenChainError(
-                f"the reference is {reference.dtype} {list(reference.shape)}, but the delta was "
-                f"taken against {spec.dtype} {list(spec.shape)}"
-            )
-        return reference
-
     def encode(self, tensor: torch.Tensor, reference: Optional[torch.Tensor] = None) -> Encoded:
-        reference = self._check_reference(TensorSpec.of(tensor), reference)
+        reference = matching_reference(TensorSpec.of(tensor), reference, "a delta")
         inner = self._inner.encode(xor_bits(tensor, reference))
         return Encoded(
             streams=inner.streams,
@@ -83,7 +73,7 @@ class XorDeltaCodec(Codec):
         spec: TensorSpec,
         reference: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        reference = self._check_reference(spec, reference)
+        reference = matching_reference(spec, reference, "a delta")
         inner_params = params.get("inner") if isinstance(params, dict) else None
         if not isinstance(inner_params, dict):
             raise FormatError("xor_delta: params lack the inner codec's params")
