@@ -28,7 +28,7 @@ from inshrinkerator.bench.recovery import torch_threads
 from inshrinkerator.bench.workloads import WORKLOADS, make_workload
 
 
-def explained(movement: torch.Tensor, directions: list[torch.Tensor]) -> float:
+def unexplained(movement: torch.Tensor, directions: list[torch.Tensor]) -> float:
     """The energy of ``movement`` that its least-squares fit on ``directions`` leaves."""
     basis = torch.stack(directions, 1)
     coefficients = torch.linalg.lstsq(basis, movement.unsqueeze(1)).solution
@@ -69,10 +69,10 @@ def main() -> None:
                     state = optimizer.state[parameter]
                     adam = (state["exp_avg"] / (state["exp_avg_sq"].sqrt() + eps)).double().reshape(-1)
                     energy += float(moved @ moved)
-                    left_adam += explained(moved, [adam])
+                    left_adam += unexplained(moved, [adam])
                     if moved_before:
-                        left_previous += explained(moved, [moved_before[index]])
-                        left_both += explained(moved, [adam, moved_before[index]])
+                        left_previous += unexplained(moved, [moved_before[index]])
+                        left_both += unexplained(moved, [adam, moved_before[index]])
                     moved_now.append(moved)
                 line = f"{step + 1:>4}    {1 - left_adam / energy:8.3f}"
                 if moved_before:
