@@ -25,5 +25,4 @@ def save_until_killed(path: str, first: int, saves_done: Any) -> None:
     torch.set_num_threads(1)
     for version in range(first, first + MAX_SAVES):
         ink.save(version_state(version), path)
-        with saves_done.get_lock():
-            saves_done.value = version
+        saves_done.value = version  # a lock-free shared value (see the test)

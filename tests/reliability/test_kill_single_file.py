@@ -43,7 +43,9 @@ def test_kill_9_during_single_file_saves_never_damages_the_file(tmp_path: Path, 
     rng = random.Random(7)
     last = 0
     for point in range(KILL_POINTS):
-        saves_done = forkserver.Value("q", last)
+        # No lock: a process killed while holding one would leave it held, and the read
+        # below would wait forever. Only the child writes it; it is read after the child died.
+        saves_done = forkserver.Value("q", last, lock=False)
         victim = forkserver.Process(target=save_until_killed, args=(str(path), last + 1, saves_done))
         victim.start()
         target = last + rng.randint(1, 4)

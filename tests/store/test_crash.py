@@ -69,7 +69,9 @@ def test_kill_9_at_random_moments_never_loses_a_committed_step(tmp_path, forkser
     saves = planned_saves = committed_total = kills_leaving_debris = 0
     previous_latest = -1
     for point in range(KILL_POINTS):
-        saves_done = forkserver.Value("i", 0)
+        # No lock: a process killed while holding one would leave it held, and reading the
+        # count after the kill would wait forever. Only the child writes it.
+        saves_done = forkserver.Value("i", 0, lock=False)
         target_saves = rng.randint(4, 10)
         planned_saves += target_saves
         victim = forkserver.Process(target=save_until_killed, args=(run, async_save, saves_done))
