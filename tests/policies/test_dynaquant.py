@@ -382,8 +382,7 @@ def test_a_frozen_weight_is_not_recoded_at_every_delta() -> None:
     train(0)
     _, full, _ = saved(None)
     train(10)
-    references = {key: e.reconstruction if e.reconstruction is not None else None for key, e in full.items()}
-    references = {key: ref for key, ref in references.items() if ref is not None}
+    references = {key: e.reconstruction for key, e in full.items() if e.reconstruction is not None}
     codecs, delta, true = saved(references)
     frozen, trained = "model/0.weight", "model/2.weight"
     assert isinstance(codecs[frozen], DynaQuantDeltaCodec)
