@@ -59,3 +59,40 @@ def test_resume_ends_where_the_uninterrupted_run_ends(tmp_path: Path, policy: st
         assert {"model", "optimizer", "scheduler", "rng"} <= set(state)
     print(f"hf tiny gpt2 [{policy}]: 2 checkpoints + keyframes {resumed['stored_bytes']} B; "
           f"Trainer default {uninterrupted['stored_bytes']} B")
+
+
+def _frozen_embedding_run(out: Path, watch: bool) -> dict[str, int]:
+    """Six steps of the tiny GPT-2 with its token embedding (tied to the head) frozen;
+    the stored bytes of each tensor in the last checkpoint's file."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+    from inshrinkerator.single_file import open_container
+    from inshrinkerator.integrations.transformers import InkTrainer
+    from inshrinkerator.tree import format_key_path, tensor_paths
+
+    example = load_example("hf_trainer_tiny")
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=example.CONTEXT, n_embd=32, n_layer=2, n_head=2))
+    model.transformer.wte.weight.requires_grad_(False)
+    args = TrainingArguments(
+        str(out), max_steps=6, per_device_train_batch_size=8, learning_rate=3e-3, save_strategy="steps",
+        save_steps=3, report_to=[], use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0,
+    )
+    trainer = InkTrainer(model=model, args=args, train_dataset=example.SourceBytes(), ink_policy="dynaquant",
+                         ink_watch=watch)
+    trainer.train()
+    with open_container(str(out / "checkpoint-6" / STATE_FILE)) as reader:
+        paths = tensor_paths(reader.header.skeleton)
+        return {format_key_path(paths[i]): record.stored_bytes for i, record in enumerate(reader.header.tensors)}
+
+
+def test_a_watched_model_keeps_its_frozen_layers_out_of_every_checkpoint(tmp_path: Path) -> None:
+    watched = _frozen_embedding_run(tmp_path / "watched", watch=True)
+    unwatched = _frozen_embedding_run(tmp_path / "unwatched", watch=False)
+    key = "model/transformer.wte.weight"
+    # Unwatched, the frozen embedding's distance from its stored levels looks like
+    # movement, and every checkpoint codes it again; watched, it stays on its levels.
+    assert watched[key] < unwatched[key] / 4
+    trained = "model/transformer.h.0.mlp.c_fc.weight"
+    assert watched[trained] > 0 and unwatched[trained] > 0

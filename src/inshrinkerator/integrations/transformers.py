@@ -38,7 +38,8 @@ except ImportError as error:
     ) from error
 
 from ..errors import FormatError
-from ..policies import Policy
+from ..policies import Policy, resolve_policy
+from ..store import default_policy_name
 from ._keyframes import KEYFRAME_DIR, KeyframeStore
 
 __all__ = ["InkTrainerMixin", "InkTrainer", "STATE_FILE"]
@@ -80,14 +81,26 @@ class InkTrainerMixin:
     Keyword args (besides the Trainer's own):
         ink_policy: a policy name or object (default: the manager's default policy).
         ink_full_every: a new keyframe every this many checkpoints.
+        ink_watch: let the policy watch the model (what ``CheckpointManager.watch`` does):
+            DynaQuant then ranks weights by gradient sensitivity and keeps layers the model
+            does not train on their stored levels instead of re-coding them in every
+            checkpoint. Costs one elementwise pass per trained parameter per step. A
+            policy without ``watch`` ignores it.
     """
 
     def __init__(
         self, *args: Any, ink_policy: Union[str, Policy, None] = None, ink_full_every: int = 10,
-        **kwargs: Any,
+        ink_watch: bool = True, **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
-        self._ink_policy = ink_policy
+        if not isinstance(ink_watch, bool):
+            raise TypeError(f"ink_watch must be a bool, got {ink_watch!r}")
+        # One policy object for every store of this trainer: it carries what it watched.
+        self._ink_policy: Policy = resolve_policy(ink_policy if ink_policy is not None else default_policy_name())
+        watch = getattr(self._ink_policy, "watch", None)
+        model = getattr(self, "model", None)
+        if ink_watch and callable(watch) and isinstance(model, torch.nn.Module):  # not with model_init
+            watch(model)
         self._ink_full_every = ink_full_every
         self._ink_stores: dict[Path, KeyframeStore] = {}
         self._ink_parts: Optional[dict[str, Any]] = None
