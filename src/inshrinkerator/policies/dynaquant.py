@@ -62,7 +62,7 @@ from ..codecs.factored_moment import FactoredMomentCodec, factored_shape
 from ..codecs.dynaquant import magnitude_thresholds
 from ..codecs.prepared import PreparedEncoding
 from ..codecs.log_sketch import MAGNITUDE_KEYS, SIGNED_KEYS, magnitude_keys, signed_keys
-from ..codecs.nonuniform_quantizer import FIRST_NON_FINITE_KEY, LOG, fit_centroids, key_centres
+from ..codecs.nonuniform_quantizer import FIRST_NON_FINITE_KEY, LOG, key_centres
 from ..codecs.weighted_kmeans import float32_levels, histogram_sample_weights
 from ..tree import TensorLeaf, format_key_path
 from .base import Policy
