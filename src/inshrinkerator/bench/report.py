@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .paper_checks import paper_checks
-from .plots import PLOT_FILES, write_plots
+from .plots import write_plots
 
 __all__ = ["write_report", "render_report", "REPORT_FILE"]
 

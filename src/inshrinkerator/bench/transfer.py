@@ -18,8 +18,6 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-import torch
-
 from ..single_file import load, save
 from .measures import degradation_percent
 from .policy_specs import build_policy

@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 
 from .bucket_delta import id_dtype
-from .log_sketch import MAGNITUDE_KEYS, SIGNED_KEYS, LogHistogram, signed_key_centres, signed_keys
+from .log_sketch import MAGNITUDE_KEYS, SIGNED_KEYS, LogHistogram, signed_key_centres
 from .scratch import scratch
 from .weighted_kmeans import distinct_float32_levels, float32_levels, histogram_sample_weights, weighted_kmeans_1d
 
