@@ -30,12 +30,12 @@ import torch
 
 from ..errors import BrokenChainError, CheckpointNotFoundError
 from ..info import SaveInfo
-from ..policies import Policy, resolve_policy
+from ..policies import Policy
 from ..serialize import read_state, reference_map, write_state
 from ..single_file import open_container
-from ..store import default_policy_name
+from ..store import policy_or_default
 
-__all__ = ["KeyframeStore", "KEYFRAME_DIR", "default_policy_name"]
+__all__ = ["KeyframeStore", "KEYFRAME_DIR"]
 
 #: The hidden folder, beside the checkpoints, that holds the keyframes.
 KEYFRAME_DIR = ".ink-keyframes"
@@ -81,7 +81,7 @@ class KeyframeStore:
         if not isinstance(full_every, int) or isinstance(full_every, bool) or full_every < 1:
             raise ValueError(f"full_every must be a positive int, got {full_every!r}")
         self.root = Path(root).absolute()
-        self.policy = resolve_policy(policy if policy is not None else default_policy_name())
+        self.policy = policy_or_default(policy)
         self.full_every = full_every
         self._lock = threading.RLock()
         self._keyframe: Optional[str] = None

@@ -53,11 +53,11 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from ..codecs.base import dtype_from_name
 from ..errors import CheckpointNotFoundError, FormatError, UnsupportedStateError
-from ..policies import Policy, resolve_policy
+from ..policies import Policy
 from ..serialize import read_state, write_state
 from ..single_file import open_container
 from ..tree import flatten, unflatten
-from ._keyframes import default_policy_name
+from ..store import policy_or_default
 
 __all__ = ["InkStorageWriter", "InkStorageReader", "InkSavePlanner", "InkLoadPlanner", "METADATA_FILE"]
 
@@ -235,7 +235,7 @@ class InkStorageWriter(StorageWriter):
                  policy: Union[str, Policy, None] = None) -> None:
         super().__init__()
         self.path = os.fspath(path) if path is not None else None
-        self.policy = resolve_policy(policy if policy is not None else default_policy_name())
+        self.policy = policy_or_default(policy)
         self.last_shard: Optional[str] = None
         self.last_info: dict[str, int] = {}
         self._is_coordinator = False

@@ -38,8 +38,8 @@ except ImportError as error:
     ) from error
 
 from ..errors import FormatError
-from ..policies import Policy, resolve_policy
-from ..store import default_policy_name
+from ..policies import Policy
+from ..store import policy_or_default
 from ._keyframes import KEYFRAME_DIR, KeyframeStore
 
 __all__ = ["InkTrainerMixin", "InkTrainer", "STATE_FILE"]
@@ -96,7 +96,7 @@ class InkTrainerMixin:
         if not isinstance(ink_watch, bool):
             raise TypeError(f"ink_watch must be a bool, got {ink_watch!r}")
         # One policy object for every store of this trainer: it carries what it watched.
-        self._ink_policy: Policy = resolve_policy(ink_policy if ink_policy is not None else default_policy_name())
+        self._ink_policy: Policy = policy_or_default(ink_policy)
         watch = getattr(self._ink_policy, "watch", None)
         model = getattr(self, "model", None)
         if ink_watch and callable(watch) and isinstance(model, torch.nn.Module):  # not with model_init

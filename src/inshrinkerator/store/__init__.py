@@ -6,7 +6,7 @@
 
 from .async_worker import AsyncSaveError
 from .inspection import RunEntry, describe_run, is_run, verify_run
-from .manager import CheckpointManager, default_policy_name
+from .manager import CheckpointManager, default_policy_name, policy_or_default
 
 __all__ = [
     "CheckpointManager",
@@ -16,4 +16,5 @@ __all__ = [
     "verify_run",
     "is_run",
     "default_policy_name",
+    "policy_or_default",
 ]

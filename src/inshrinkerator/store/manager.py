@@ -22,7 +22,7 @@ from .retention import apply_retention
 from .snapshot import snapshot_state
 from .storage import RunLocation, RunStorage, open_storage
 
-__all__ = ["CheckpointManager", "DEFAULT_POLICY_PREFERENCE", "default_policy_name"]
+__all__ = ["CheckpointManager", "DEFAULT_POLICY_PREFERENCE", "default_policy_name", "policy_or_default"]
 
 #: The manager's default policy is the first of these that is registered: the design's
 #: default (dynaquant) as soon as it exists, lossless until then.
@@ -35,6 +35,11 @@ def default_policy_name() -> str:
         if name in policies._FACTORIES:
             return name
     return "lossless"
+
+
+def policy_or_default(policy: Union[str, Policy, None]) -> Policy:
+    """The policy object for a name or object; ``None`` means :func:`default_policy_name`."""
+    return resolve_policy(default_policy_name() if policy is None else policy)
 
 
 def _check_step(step: Any) -> int:
@@ -135,7 +140,7 @@ class CheckpointManager:
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last must be None or an int >= 1, got {keep_last!r}")
         self._storage = open_storage(path_or_url)
-        self._policy = resolve_policy(default_policy_name() if policy is None else policy)
+        self._policy = policy_or_default(policy)
         self.full_every = full_every
         self.keep_last = keep_last
         self._worker = BackgroundWorker() if async_save else None
