@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 
 import pytest
@@ -234,6 +235,33 @@ def test_async_snapshot_is_taken_before_save_returns(tmp_path) -> None:
         mgr.save(1, {"t": tensor})
         tensor.fill_(7.0)  # the training loop moves on immediately
         assert torch.equal(mgr.load(1)["t"], torch.zeros(1 << 16))
+
+
+def _full_collections() -> int:
+    return gc.get_stats()[2]["collections"]
+
+
+def test_an_async_manager_collects_setup_garbage_before_training_not_inside_save(tmp_path) -> None:
+    # With the collector paused, only an explicit collection counts: an async manager runs one
+    # at construction and one in watch(), so that a save does not start the first full pass
+    # over everything setup created; a synchronous manager leaves the collector alone.
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        before = _full_collections()
+        with CheckpointManager(tmp_path / "sync", policy="lossless") as mgr:
+            mgr.watch(torch.nn.Linear(2, 2))
+            assert _full_collections() == before
+        with CheckpointManager(tmp_path / "async", policy="lossless", async_save=True) as mgr:
+            assert _full_collections() == before + 1
+            mgr.watch(torch.nn.Linear(2, 2))
+            assert _full_collections() == before + 2
+            mgr.save(1, state_for(1))
+            mgr.wait()
+            assert _full_collections() == before + 2
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class _Boom(RuntimeError):
