@@ -5,8 +5,9 @@
     python examples/lightning_digits.py --out /tmp/digits --epochs 3             # first part
     python examples/lightning_digits.py --out /tmp/digits --epochs 6 --resume last  # the rest
 
-``InkCheckpointIO`` is the only change to an ordinary Lightning script; ``ModelCheckpoint``
-keeps the two most recent checkpoints and deletes the others. ``--async`` wraps the plugin
+``InkCheckpointIO`` (and the ``InkWatch`` callback, which lets its policy watch the model)
+are the only changes to an ordinary Lightning script; ``ModelCheckpoint`` keeps the two
+most recent checkpoints and deletes the others. ``--async`` wraps the plugin
 in Lightning's ``AsyncCheckpointIO``. Prints a JSON summary.
 """
 
@@ -24,7 +25,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from sklearn.datasets import load_digits
 
-from inshrinkerator.integrations.lightning import InkCheckpointIO
+from inshrinkerator.integrations.lightning import InkCheckpointIO, InkWatch
 
 
 class DigitsClassifier(L.LightningModule):
@@ -79,13 +80,14 @@ def run(out: Path, epochs: int, resume: Optional[str] = None, policy: Optional[s
     train, held = digits()
     loader = torch.utils.data.DataLoader(train, batch_size=100, shuffle=False)
     plugins: list[Any] = []
+    callbacks: list[Any] = [ModelCheckpoint(dirpath=out, filename="{epoch}-{step}", every_n_epochs=1,
+                                            save_top_k=2, monitor="step", mode="max")]
     if not default_io:
         io = InkCheckpointIO(policy=policy, full_every=4)
         plugins.append(AsyncCheckpointIO(io) if use_async else io)
-    checkpoints = ModelCheckpoint(dirpath=out, filename="{epoch}-{step}", every_n_epochs=1,
-                                  save_top_k=2, monitor="step", mode="max")
+        callbacks.append(InkWatch())
     trainer = L.Trainer(
-        max_epochs=epochs, plugins=plugins, callbacks=[checkpoints], accelerator="cpu",
+        max_epochs=epochs, plugins=plugins, callbacks=callbacks, accelerator="cpu",
         logger=False, enable_progress_bar=False, enable_model_summary=False,
         deterministic=True,
     )

@@ -14,7 +14,7 @@ pytest.importorskip("lightning")
 pytest.importorskip("sklearn")
 
 import inshrinkerator as ink  # noqa: E402
-from inshrinkerator.integrations.lightning import InkCheckpointIO  # noqa: E402
+from inshrinkerator.integrations.lightning import InkCheckpointIO, InkWatch  # noqa: E402
 from tests.helpers import assert_same  # noqa: E402
 from tests.integrations.test_keyframes import _state
 from tests.integrations.conftest import EXAMPLES, load_example, policies_under_test, tolerance  # noqa: E402
@@ -96,3 +96,52 @@ def test_a_value_that_cannot_be_stored_names_its_key(tmp_path: Path) -> None:
         InkCheckpointIO(policy="lossless").save_checkpoint(
             {"hyper_parameters": {"fn": object()}}, tmp_path / "bad.ckpt"
         )
+
+
+def _frozen_layer_run(out: Path, watch: bool, use_async: bool = False) -> dict[str, int]:
+    """Three epochs of the digits classifier with its first layer frozen, a checkpoint after
+    each; the stored bytes of each tensor in the last one's file (a delta)."""
+    import lightning as L
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    from inshrinkerator.single_file import open_container
+    from inshrinkerator.tree import format_key_path, tensor_paths
+
+    example = load_example("lightning_digits")
+    torch.manual_seed(0)
+    train, _ = example.digits()
+    model = example.DigitsClassifier()
+    model.net[0].weight.requires_grad_(False)
+    io = InkCheckpointIO(policy="dynaquant", full_every=4)
+    trainer = L.Trainer(
+        max_epochs=3, plugins=[AsyncCheckpointIO(io) if use_async else io],
+        callbacks=[InkWatch()] if watch else [], default_root_dir=out, accelerator="cpu",
+        logger=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(model, torch.utils.data.DataLoader(train, batch_size=100))
+    (last,) = out.rglob("*.ckpt")  # ModelCheckpoint keeps the newest only
+    with open_container(str(last)) as reader:
+        paths = tensor_paths(reader.header.skeleton)
+        return {format_key_path(paths[i]): record.stored_bytes for i, record in enumerate(reader.header.tensors)}
+
+
+@pytest.mark.parametrize("use_async", [False, True])
+def test_inkwatch_keeps_a_frozen_layer_out_of_every_checkpoint(tmp_path: Path, use_async: bool) -> None:
+    watched = _frozen_layer_run(tmp_path / "watched", watch=True, use_async=use_async)
+    unwatched = _frozen_layer_run(tmp_path / "unwatched", watch=False, use_async=use_async)
+    key = "state_dict/net.0.weight"
+    # Unwatched, the frozen layer's distance from its stored levels looks like movement and
+    # is coded again; watched (found through AsyncCheckpointIO too), it stays on its levels.
+    assert watched[key] < unwatched[key] / 4
+    assert watched["state_dict/net.2.weight"] > 0
+
+
+def test_inkwatch_without_an_ink_plugin_is_an_error(tmp_path: Path) -> None:
+    import lightning as L
+
+    example = load_example("lightning_digits")
+    train, _ = example.digits()
+    trainer = L.Trainer(max_epochs=1, callbacks=[InkWatch()], default_root_dir=tmp_path, accelerator="cpu",
+                        logger=False, enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(ValueError, match="InkWatch needs an InkCheckpointIO"):
+        trainer.fit(example.DigitsClassifier(), torch.utils.data.DataLoader(train, batch_size=100))

@@ -7,6 +7,10 @@
     trainer.fit(model)                                # every .ckpt is compressed
     trainer.fit(model, ckpt_path="path/to/x.ckpt")    # resumes from one
 
+Add the ``InkWatch()`` callback to let the policy watch the module (what
+``CheckpointManager.watch`` does: DynaQuant's gradient sensitivity, and frozen layers kept
+on their stored levels); a ``CheckpointIO`` alone never sees the model.
+
 Wrap it in Lightning's ``AsyncCheckpointIO`` to compress and write off the training
 thread. Each ``.ckpt`` is a delta against a keyframe kept in ``.ink-keyframes/`` beside
 it (see :mod:`inshrinkerator.integrations._keyframes`), so ``ModelCheckpoint`` may delete
@@ -25,9 +29,11 @@ import torch
 
 try:
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
-except ImportError:  # the standalone package
+    from lightning.pytorch.callbacks import Callback
+except ImportError:  # the standalone packages
     try:
         from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO  # type: ignore[no-redef]
+        from pytorch_lightning.callbacks import Callback  # type: ignore[no-redef]
     except ImportError as error:
         raise ImportError(
             "inshrinkerator.integrations.lightning needs PyTorch Lightning: "
@@ -36,9 +42,10 @@ except ImportError:  # the standalone package
 
 from ..errors import CheckpointNotFoundError
 from ..policies import Policy
+from ..store import policy_or_default
 from ._keyframes import KEYFRAME_DIR, KeyframeStore
 
-__all__ = ["InkCheckpointIO"]
+__all__ = ["InkCheckpointIO", "InkWatch"]
 
 
 def _plain(value: Any) -> Any:
@@ -75,7 +82,8 @@ class InkCheckpointIO(CheckpointIO):
 
     def __init__(self, policy: Union[str, Policy, None] = None, full_every: int = 10) -> None:
         super().__init__()
-        self.policy = policy
+        # One policy object for every folder: it carries what it watched.
+        self.policy: Policy = policy_or_default(policy)
         self.full_every = full_every
         self._stores: dict[Path, KeyframeStore] = {}
         self._lock = threading.Lock()
@@ -151,6 +159,47 @@ class InkCheckpointIO(CheckpointIO):
             return
         self._store(target).remove(target)
 
+    def watch(self, model: torch.nn.Module) -> None:
+        """Let a policy that wants gradients see ``model`` (a no-op for other policies);
+        the :class:`InkWatch` callback calls it with the ``LightningModule``."""
+        hook = getattr(self.policy, "watch", None)
+        if callable(hook):
+            hook(model)
+
     def teardown(self) -> None:
         with self._lock:
             self._stores.clear()
+
+
+def _ink_checkpoint_io(io: Any) -> Optional[InkCheckpointIO]:
+    """The InkCheckpointIO in ``io``, looking through wrappers such as ``AsyncCheckpointIO``."""
+    seen = 0
+    while io is not None and not isinstance(io, InkCheckpointIO) and seen < 8:
+        io = getattr(io, "checkpoint_io", None)
+        seen += 1
+    return io if isinstance(io, InkCheckpointIO) else None
+
+
+class InkWatch(Callback):
+    """Lets the trainer's :class:`InkCheckpointIO` watch the ``LightningModule`` at setup.
+
+    ::
+
+        Trainer(plugins=[InkCheckpointIO()], callbacks=[InkWatch(), ModelCheckpoint(...)])
+
+    The Lightning counterpart of ``CheckpointManager.watch(model)`` and of ``InkTrainer``'s
+    ``ink_watch=True``. It finds the plugin through ``AsyncCheckpointIO``.
+
+    Raises:
+        ValueError: at setup, when the trainer's checkpoint IO is not an ``InkCheckpointIO``
+            (the callback would otherwise do nothing, silently).
+    """
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        io = _ink_checkpoint_io(trainer.strategy.checkpoint_io)
+        if io is None:
+            raise ValueError(
+                f"InkWatch needs an InkCheckpointIO among the Trainer's plugins; its checkpoint IO "
+                f"is {type(trainer.strategy.checkpoint_io).__name__}"
+            )
+        io.watch(pl_module)
