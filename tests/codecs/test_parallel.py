@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 
 import pytest
 
 from inshrinkerator.codecs import _parallel
-from inshrinkerator.codecs._parallel import parallel_map, worker_count
+from inshrinkerator.codecs._parallel import BACKGROUND_NICE, in_background, parallel_map, worker_count
+from inshrinkerator.store.async_worker import BackgroundWorker
 
 
 def test_results_come_back_in_order():
@@ -34,7 +37,7 @@ def test_the_first_error_is_re_raised_after_running_items_finish():
 
 def test_nested_maps_finish_even_when_every_worker_is_busy(monkeypatch):
     monkeypatch.setattr(_parallel, "worker_count", lambda: 3)
-    monkeypatch.setattr(_parallel, "_pool", None)
+    monkeypatch.setattr(_parallel, "_pools", {})
     threads = set()
 
     def inner(x: int) -> int:
@@ -56,3 +59,39 @@ def test_nested_maps_finish_even_when_every_worker_is_busy(monkeypatch):
 
 def test_worker_count_is_positive():
     assert worker_count() >= 1
+
+
+def _nice() -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+def _who_ran(items: int) -> list[tuple[str, bool, int]]:
+    """(thread name, marked as background, nice value) of each thread that ran an item."""
+
+    def item(_: int) -> tuple[str, bool, int]:
+        time.sleep(0.002)  # long enough for the helpers to take items too
+        return threading.current_thread().name, in_background(), _nice()
+
+    return sorted(set(parallel_map(item, range(items))))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread priority is Linux's")
+def test_background_work_runs_at_lower_priority_and_foreground_work_does_not(monkeypatch):
+    monkeypatch.setattr(_parallel, "worker_count", lambda: 2)
+    monkeypatch.setattr(_parallel, "_pools", {})
+    foreground_nice = _nice()
+    if foreground_nice >= BACKGROUND_NICE:
+        pytest.skip("this process already runs at background priority")
+    worker = BackgroundWorker()
+    try:
+        worker.submit(lambda: _who_ran(64), "probe")
+        background = worker.result()
+    finally:
+        worker.shutdown()
+    foreground = _who_ran(64)
+    # The async worker's thread and the helpers it shared items with: all lowered.
+    assert len(background) >= 2 and all(marked and nice >= BACKGROUND_NICE for _, marked, nice in background)
+    assert any(name.startswith("inshrink-background") for name, _, _ in background)
+    # A synchronous save's threads (the caller and the codec pool) keep their priority.
+    assert len(foreground) >= 2 and all(not marked and nice == foreground_nice for _, marked, nice in foreground)
+    assert _nice() == foreground_nice

@@ -5,11 +5,17 @@ pool workers. The caller always works on its own batch, and a thread only ever w
 for items that another thread is already running, so nested calls (tensors in
 parallel, each coding its chunks in parallel) keep every worker busy and can never
 deadlock: a helper that starts after the batch is drained just finds nothing to do.
+
+Work that runs beside training (an async save) runs on threads of lower scheduling
+priority (:func:`lower_priority`): where they contend with the training loop for a core,
+the kernel gives the core to the training loop; where a core is idle, they run at full
+speed. A batch started on such a thread is shared out to a pool of such threads.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -18,8 +24,13 @@ from typing import Generic, Optional, TypeVar
 T = TypeVar("T")
 R = TypeVar("R")
 
+#: The nice value of threads that work beside the training loop (Linux only: elsewhere
+#: a thread's priority cannot be set apart from its process's).
+BACKGROUND_NICE = 10
+
 _lock = threading.Lock()
-_pool: Optional[ThreadPoolExecutor] = None
+_pools: dict[bool, ThreadPoolExecutor] = {}
+_thread = threading.local()
 
 
 def worker_count() -> int:
@@ -30,12 +41,36 @@ def worker_count() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def _shared_pool() -> ThreadPoolExecutor:
-    global _pool
+def lower_priority() -> None:
+    """Mark the calling thread as background work and, on Linux, raise its nice value to
+    :data:`BACKGROUND_NICE` (for good: an unprivileged thread cannot lower it again).
+
+    Used as the initializer of threads that only ever do background work."""
+    _thread.background = True
+    if sys.platform.startswith("linux"):
+        try:
+            thread_id = threading.get_native_id()
+            current = os.getpriority(os.PRIO_PROCESS, thread_id)
+            os.setpriority(os.PRIO_PROCESS, thread_id, max(current, BACKGROUND_NICE))
+        except OSError:  # a sandbox may refuse; the work still runs, at normal priority
+            pass
+
+
+def in_background() -> bool:
+    """Whether the calling thread was marked by :func:`lower_priority`."""
+    return getattr(_thread, "background", False)
+
+
+def _shared_pool(background: bool) -> ThreadPoolExecutor:
     with _lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(worker_count(), thread_name_prefix="inshrink-codec")
-        return _pool
+        pool = _pools.get(background)
+        if pool is None:
+            pool = ThreadPoolExecutor(
+                worker_count(), thread_name_prefix="inshrink-background" if background else "inshrink-codec",
+                initializer=lower_priority if background else None,
+            )
+            _pools[background] = pool
+        return pool
 
 
 class _Batch(Generic[T, R]):
@@ -89,7 +124,7 @@ def parallel_map(fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
     batch = _Batch(fn, list(items))
     helpers = min(worker_count(), len(batch.items)) - 1
     if helpers > 0:
-        pool = _shared_pool()
+        pool = _shared_pool(in_background())
         for _ in range(helpers):
             pool.submit(batch.work)
     batch.work()

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Optional
 
+from ..codecs._parallel import lower_priority
 from ..errors import AsyncSaveError
 
 __all__ = ["AsyncSaveError", "BackgroundWorker"]
@@ -21,11 +22,13 @@ class BackgroundWorker:
 
     ``submit`` must not be called while a job is in flight: call :meth:`result` first.
     Its thread is not a daemon: a job in flight when the interpreter exits still
-    finishes, so the last save is not lost.
+    finishes, so the last save is not lost. It and the codec threads it shares work with
+    run at a lower scheduling priority (``codecs._parallel.lower_priority``), so where
+    they contend with the training loop for a core the training loop gets it.
     """
 
     def __init__(self, name: str = "inshrink-save") -> None:
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=lower_priority)
         self._pending: Optional[Future[Any]] = None
         self._description = ""
 
