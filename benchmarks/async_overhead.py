@@ -76,6 +76,7 @@ def train(name: str, seed: int, checkpoint: bool, freeze: bool = False) -> dict[
     size = workload.size
     train_seconds = blocked_seconds = wait_seconds = 0.0
     saves = 0
+    per_save: list[float] = []
     clock = _CollectorClock()
     gc.callbacks.append(clock)
     with tempfile.TemporaryDirectory() as folder:
@@ -95,7 +96,8 @@ def train(name: str, seed: int, checkpoint: bool, freeze: bool = False) -> dict[
                     clock.inside = True
                     manager.save(step + 1, state)
                     clock.inside = False
-                    blocked_seconds += time.perf_counter() - started
+                    per_save.append(time.perf_counter() - started)
+                    blocked_seconds += per_save[-1]
                     saves += 1
             if manager is not None:
                 started = time.perf_counter()
@@ -108,6 +110,7 @@ def train(name: str, seed: int, checkpoint: bool, freeze: bool = False) -> dict[
     return {
         "train_seconds": train_seconds,
         "blocked_in_save_seconds": blocked_seconds,
+        "blocked_in_each_save_seconds": [round(seconds, 4) for seconds in per_save],
         "final_wait_seconds": wait_seconds,
         "manager_setup_seconds": setup_seconds,
         "saves": saves,
