@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import sys
 import threading
 
 import pytest
@@ -241,10 +242,12 @@ def _full_collections() -> int:
     return gc.get_stats()[2]["collections"]
 
 
-def test_an_async_manager_collects_setup_garbage_before_training_not_inside_save(tmp_path) -> None:
-    # With the collector paused, only an explicit collection counts: an async manager runs one
-    # at construction and one in watch(), so that a save does not start the first full pass
-    # over everything setup created; a synchronous manager leaves the collector alone.
+def test_an_async_manager_collects_setup_garbage_before_training_not_inside_save(tmp_path, monkeypatch) -> None:
+    # With the collector paused, only an explicit collection counts. An async manager runs
+    # one at setup when the process has grown since the last (construction or watch()), so
+    # a save does not start the first full pass over everything setup created; a
+    # synchronous manager leaves the collector alone.
+    monkeypatch.setattr(manager_module, "_blocks_after_collection", 0)
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -254,11 +257,15 @@ def test_an_async_manager_collects_setup_garbage_before_training_not_inside_save
             assert _full_collections() == before
         with CheckpointManager(tmp_path / "async", policy="lossless", async_save=True) as mgr:
             assert _full_collections() == before + 1
+            mgr.watch(torch.nn.Linear(2, 2))  # nothing much created since: no second pass
+            assert _full_collections() == before + 1
+            setup = [[index] for index in range(sys.getallocatedblocks() // 4)]  # a corpus, say
             mgr.watch(torch.nn.Linear(2, 2))
             assert _full_collections() == before + 2
             mgr.save(1, state_for(1))
             mgr.wait()
             assert _full_collections() == before + 2
+            assert len(setup) > 0
     finally:
         if enabled:
             gc.enable()
