@@ -137,7 +137,8 @@ class CheckpointManager:
             one background thread, one save at a time. A background failure is raised
             (as :class:`AsyncSaveError`, chained to its cause) by the next ``save``,
             ``wait`` or ``close``. Construction and :meth:`watch` then run one full pass of
-            Python's garbage collector, so that the objects setup left behind (a loaded
+            Python's garbage collector when the process has grown since the last one
+            (:func:`collect_setup_garbage`), so that the objects setup left behind (a loaded
             model, a tokenized corpus) are not first walked inside a training step's ``save``.
 
     Steps only grow: saving a step that exists or is lower than the latest raises
