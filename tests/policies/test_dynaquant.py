@@ -466,3 +466,45 @@ def test_adam_first_moments_and_sgd_momentum_get_their_own_level_counts() -> Non
     assert (defaults.moment_bins, defaults.momentum_bins) == (8, 4)
     with pytest.raises(ValueError, match="momentum_bins"):
         DynaQuant(momentum_bins=0)
+
+
+def test_a_layer_unfrozen_after_watch_has_its_movement_coded() -> None:
+    # Progressive unfreezing: the layer was frozen when the model was watched and trains
+    # later. Whether a weight trains is read at save time, so its small steps are coded as
+    # movement, not rounded away as a frozen layer's would be.
+    model, _ = _two_layer_state(frozen_first=True)
+    policy = DynaQuant()
+    policy.watch(model)
+    model[0].requires_grad_(True)
+    optimizer = torch.optim.Adam(model.parameters(), 1e-4)
+    key = "model/0.weight"
+
+    def train(start: int) -> None:
+        for step in range(start, start + 3):
+            x = torch.randn(32, 64, generator=torch.Generator().manual_seed(step))
+            loss = model(x).pow(2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+
+    def saved(references):
+        flat = flatten({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+        keys = [format_key_path(leaf.path) for leaf in flat.tensors]
+        refs = [references.get(k) for k in keys] if references else [None] * len(keys)
+        codecs = policy.plan(flat.tensors, refs)
+        return {k: codec.encode(leaf.tensor, ref if codec.uses_reference else None)
+                for k, leaf, codec, ref in zip(keys, flat.tensors, codecs, refs)}
+
+    train(0)
+    full = saved(None)
+    before = model[0].weight.detach().clone()
+    train(10)
+    moved = model[0].weight.detach()
+    references = {k: e.reconstruction for k, e in full.items() if e.reconstruction is not None}
+    delta = saved(references)
+    # A frozen layer's delta keeps the full checkpoint's levels (its error stays about the
+    # reference's); a trained one is bounded by its movement, measured from the reference.
+    kept_error = float((references[key] - moved).pow(2).sum())
+    delta_error = float((delta[key].reconstruction - moved).pow(2).sum())
+    assert float((moved - before).abs().max()) > 0
+    assert delta_error < 0.5 * kept_error

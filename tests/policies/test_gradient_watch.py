@@ -78,3 +78,26 @@ def test_trains_tells_trainable_parameters_from_frozen_ones() -> None:
     state = model.state_dict()
     assert not watch.trains(TensorLeaf(("0.weight",), state["0.weight"]))
     assert watch.trains(TensorLeaf(("2.weight",), state["2.weight"]))
+
+
+def test_trains_reads_requires_grad_at_save_time() -> None:
+    # Progressive unfreezing (and freezing) after the model was watched.
+    model = _model()
+    model[0].weight.requires_grad_(False)
+    watch = GradientWatch()
+    watch.attach(model)
+    model[0].weight.requires_grad_(True)
+    model[2].weight.requires_grad_(False)
+    state = model.state_dict()
+    embedding, linear = TensorLeaf(("0.weight",), state["0.weight"]), TensorLeaf(("2.weight",), state["2.weight"])
+    assert watch.trains(embedding) and not watch.trains(linear)
+    # The unfrozen layer has no hook (torch hooks only tensors that require grad), so no
+    # average and no layer type until the model is watched again.
+    def backward() -> None:
+        model(torch.randint(0, 10, (5, 2), generator=torch.Generator().manual_seed(0))).pow(2).sum().backward()
+
+    backward()
+    assert watch.gradient_average(embedding) is None and watch.layer_type(embedding) is None
+    watch.attach(model)
+    backward()
+    assert watch.gradient_average(embedding) is not None and watch.layer_type(embedding) == "embedding"

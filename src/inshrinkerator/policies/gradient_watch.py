@@ -1,7 +1,8 @@
 """Gradient statistics for sensitivity-aware quantization, collected by hooks on a model.
 
 :class:`GradientWatch` registers a post-accumulate-grad hook on every trainable
-parameter of a watched model. After each backward pass the hook folds the new
+parameter of a watched model (and remembers the frozen ones, whose ``requires_grad`` it
+reads again at save time: a layer unfrozen later trains). After each backward pass the hook folds the new
 gradient into an exponential moving average, ``ema = beta * g + (1 - beta) * ema``
 (beta = 0.9 weights the *new* gradient, as in Inshrinkerator), so at save time the
 average reflects the last few steps before the save. The first-order Taylor
@@ -45,9 +46,10 @@ def layer_type_of_module(module: torch.nn.Module) -> str:
 
 
 class _Entry:
-    __slots__ = ("name", "parameter", "average", "layer_type", "steps")
+    __slots__ = ("name", "parameter", "average", "layer_type", "steps", "hooked")
 
     def __init__(self, name: str, parameter: torch.nn.Parameter, layer_type: str) -> None:
+        self.hooked = parameter.requires_grad
         self.name = name
         self.parameter = weakref.ref(parameter)
         self.average: Optional[torch.Tensor] = None
@@ -73,6 +75,10 @@ class GradientWatch:
     def attach(self, model: torch.nn.Module) -> None:
         """Start averaging the gradients of ``model``'s trainable parameters.
 
+        A parameter unfrozen later counts as trained (:meth:`trains`) but has no gradient
+        average (sensitivity falls back to magnitude for it); watch the model again after
+        unfreezing to average its gradients too.
+
         Watching a new model (e.g. rebuilt after a restore) replaces the previous one.
         """
         if not isinstance(model, torch.nn.Module):
@@ -84,11 +90,14 @@ class GradientWatch:
                 full = f"{module_name}.{parameter_name}" if module_name else parameter_name
                 owners[full] = layer_type_of_module(module)
         for name, parameter in model.named_parameters():
-            if not parameter.requires_grad or not parameter.dtype.is_floating_point:
+            if not parameter.dtype.is_floating_point:
                 continue
             entry = _Entry(name, parameter, owners.get(name, "other"))
             self._entries.append(entry)
-            self._handles.append(parameter.register_post_accumulate_grad_hook(self._hook(entry)))
+            # A frozen parameter is known (whether it trains is read at save time) but has
+            # no hook: torch does not hook a tensor that does not require grad.
+            if entry.hooked:
+                self._handles.append(parameter.register_post_accumulate_grad_hook(self._hook(entry)))
 
     def _hook(self, entry: _Entry):  # noqa: ANN202 - a torch hook
         beta = self.beta
@@ -134,8 +143,11 @@ class GradientWatch:
         return by_name
 
     def trains(self, leaf: TensorLeaf) -> bool:
-        """Whether ``leaf`` holds a trainable parameter of the watched model."""
-        return self._find(leaf) is not None
+        """Whether ``leaf`` holds a parameter of the watched model that requires grad *now*
+        (a layer unfrozen after :meth:`attach` trains; one frozen since does not)."""
+        entry = self._find(leaf)
+        parameter = entry.parameter() if entry is not None else None
+        return parameter is not None and parameter.requires_grad
 
     def gradient_average(self, leaf: TensorLeaf) -> Optional[torch.Tensor]:
         """The gradient average of the parameter ``leaf`` holds, or ``None`` (not watched / no step yet)."""
@@ -146,6 +158,7 @@ class GradientWatch:
             return entry.average.detach().clone()
 
     def layer_type(self, leaf: TensorLeaf) -> Optional[str]:
-        """The module type of the parameter ``leaf`` holds, or ``None`` when not watched."""
+        """The module type of the parameter ``leaf`` holds, or ``None`` when its gradients
+        are not averaged (not watched, or frozen when the model was watched)."""
         entry = self._find(leaf)
-        return entry.layer_type if entry is not None else None
+        return entry.layer_type if entry is not None and entry.hooked else None
