@@ -145,3 +145,31 @@ def test_inkwatch_without_an_ink_plugin_is_an_error(tmp_path: Path) -> None:
                         logger=False, enable_progress_bar=False, enable_model_summary=False)
     with pytest.raises(ValueError, match="InkWatch needs an InkCheckpointIO"):
         trainer.fit(example.DigitsClassifier(), torch.utils.data.DataLoader(train, batch_size=100))
+
+
+def test_inkwatch_watches_again_when_a_callback_unfreezes_a_layer(tmp_path: Path) -> None:
+    import lightning as L
+
+    from inshrinkerator.tree import TensorLeaf
+
+    example = load_example("lightning_digits")
+    torch.manual_seed(0)
+    train, _ = example.digits()
+    model = example.DigitsClassifier()
+    model.net[0].requires_grad_(False)
+
+    class UnfreezeAtEpoch1(L.Callback):  # what a fine-tuning callback does
+        def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            if trainer.current_epoch == 1:
+                pl_module.net[0].requires_grad_(True)  # its optimizer already holds it
+
+    io = InkCheckpointIO(policy="dynaquant")
+    trainer = L.Trainer(
+        max_epochs=2, plugins=[io], callbacks=[UnfreezeAtEpoch1(), InkWatch()], default_root_dir=tmp_path,
+        accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    trainer.fit(model, torch.utils.data.DataLoader(train, batch_size=100))
+    watch = io.policy._memory.watch
+    leaf = TensorLeaf(("net.0.weight",), model.net[0].weight)
+    assert watch.trains(leaf) and watch.gradient_average(leaf) is not None

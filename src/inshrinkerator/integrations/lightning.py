@@ -188,12 +188,20 @@ class InkWatch(Callback):
         Trainer(plugins=[InkCheckpointIO()], callbacks=[InkWatch(), ModelCheckpoint(...)])
 
     The Lightning counterpart of ``CheckpointManager.watch(model)`` and of ``InkTrainer``'s
-    ``ink_watch=True``. It finds the plugin through ``AsyncCheckpointIO``.
+    ``ink_watch=True``. It finds the plugin through ``AsyncCheckpointIO``. When the set of
+    parameters that require grad has changed at the start of an epoch (a fine-tuning
+    callback unfroze a layer), it watches the module again, so the newly trained
+    parameters get gradient averages too.
 
     Raises:
         ValueError: at setup, when the trainer's checkpoint IO is not an ``InkCheckpointIO``
             (the callback would otherwise do nothing, silently).
     """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._io: Optional[InkCheckpointIO] = None
+        self._trained: frozenset[str] = frozenset()
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         io = _ink_checkpoint_io(trainer.strategy.checkpoint_io)
@@ -202,4 +210,17 @@ class InkWatch(Callback):
                 f"InkWatch needs an InkCheckpointIO among the Trainer's plugins; its checkpoint IO "
                 f"is {type(trainer.strategy.checkpoint_io).__name__}"
             )
+        self._io = io
+        self._watch(io, pl_module)
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        if self._io is not None and _trained_names(pl_module) != self._trained:
+            self._watch(self._io, pl_module)
+
+    def _watch(self, io: InkCheckpointIO, pl_module: Any) -> None:
         io.watch(pl_module)
+        self._trained = _trained_names(pl_module)
+
+
+def _trained_names(module: torch.nn.Module) -> frozenset[str]:
+    return frozenset(name for name, parameter in module.named_parameters() if parameter.requires_grad)
