@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -223,12 +224,51 @@ def test_frozen_weights_get_the_tighter_budget() -> None:
 
     layout = layout_of(flat.tensors)
     weights = [i for i in layout.indices(TensorRole.WEIGHT) if flat.tensors[i].tensor.numel() >= policy.min_numel]
-    frozen = policy._frozen(flat.tensors, layout, weights)
+    frozen, _ = policy._frozen(flat.tensors, layout, weights)
     assert [format_key_path(flat.tensors[i].path) for i in frozen] == []  # conv weight is small
-    model[3].weight.requires_grad_(False)
-    policy.watch(model)
-    frozen = policy._frozen(flat.tensors, layout, weights)
+    model[3].weight.requires_grad_(False)  # read at the save: no need to watch again
+    frozen, vouched = policy._frozen(flat.tensors, layout, weights)
     assert [format_key_path(flat.tensors[i].path) for i in frozen] == ["model/3.weight"]
+    assert vouched == set(frozen)
+
+
+def test_weights_the_watch_does_not_know_are_judged_by_their_optimizer_state() -> None:
+    # A second model in the state (only one watched), or a watched model since replaced:
+    # the watch cannot say whether their weights train, so, as when nothing is watched, a
+    # weight with optimizer state trains (it used to count as frozen and stay on its levels).
+    from inshrinkerator.policies.state_layout import TensorRole, layout_of
+
+    watched, _ = _two_layer_state(frozen_first=False)
+    other = torch.nn.Sequential(torch.nn.Identity(), *_two_layer_state(frozen_first=False)[0])  # other names
+    optimizer = torch.optim.Adam([*watched.parameters(), *other.parameters()], 1e-3)
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(0))
+    (watched(x).pow(2).mean() + other(x).pow(2).mean()).backward()
+    optimizer.step()
+    policy = DynaQuant()
+    policy.watch(watched)
+    watched[2].requires_grad_(False)
+    flat = flatten({"a": watched.state_dict(), "b": other.state_dict(), "optimizer": optimizer.state_dict()})
+    layout = layout_of(flat.tensors)
+    weights = [i for i in layout.indices(TensorRole.WEIGHT) if flat.tensors[i].tensor.numel() >= policy.min_numel]
+    assert len(weights) == 4
+
+    def named(indices) -> list[str]:
+        return sorted(format_key_path(flat.tensors[i].path) for i in indices)
+
+    frozen, vouched = policy._frozen(flat.tensors, layout, weights)
+    assert named(frozen) == named(vouched) == ["a/2.weight"]  # the watch knows only model a
+    # Rebuilt in the same process (after a restore, say) without watching the new model:
+    # the watched parameters are gone, and every weight of the new state has optimizer state.
+    del watched, other, optimizer, flat
+    gc.collect()
+    rebuilt, _ = _two_layer_state(frozen_first=False)
+    optimizer = torch.optim.Adam(rebuilt.parameters(), 1e-3)
+    rebuilt(x).pow(2).mean().backward()
+    optimizer.step()
+    flat = flatten({"a": rebuilt.state_dict(), "optimizer": optimizer.state_dict()})
+    layout = layout_of(flat.tensors)
+    weights = [i for i in layout.indices(TensorRole.WEIGHT) if flat.tensors[i].tensor.numel() >= policy.min_numel]
+    assert len(weights) == 2 and policy._frozen(flat.tensors, layout, weights) == ([], set())
 
 
 def _two_layer_state(frozen_first: bool) -> tuple[torch.nn.Module, dict]:

@@ -321,18 +321,29 @@ class DynaQuant(Policy):
             trial = WeightTrial(leaf.tensor, layer_type, None, sensitivity, self.sigma)
         return trial
 
-    def _frozen(self, leaves: Sequence[TensorLeaf], layout: StateLayout, indices: list[int]) -> list[int]:
-        """The weights that training does not change: those a watched model does not train
-        (``requires_grad`` off), else those without optimizer state when the state pairs
-        optimizer entries with weights at all (a bare model: every weight)."""
+    def _frozen(self, leaves: Sequence[TensorLeaf], layout: StateLayout, indices: list[int]) -> tuple[list[int], set[int]]:
+        """The weights that training does not change, and those of them the watch vouches for.
+
+        A parameter of the watched model is frozen when it does not require grad at this
+        save. Any other weight (nothing watched, a second model in the state, a watched
+        model since replaced) is frozen when it has no optimizer state and the state pairs
+        optimizer entries with weights at all (a bare model: every weight).
+        """
         watch = self._memory.watch
-        if watch.watching:
-            return [i for i in indices if not watch.trains(leaves[i])]
         paired = any(layout.parameter_of)
         has_optimizer = any(role is not TensorRole.WEIGHT and role is not TensorRole.OTHER for role in layout.roles)
-        if has_optimizer and not paired:
-            return []  # optimizer entries could not be matched to weights: assume all train
-        return [i for i in indices if not layout.optimizer_state_of(i)]
+        frozen: list[int] = []
+        vouched: set[int] = set()
+        for i in indices:
+            trains = watch.trains(leaves[i]) if watch.watching else None
+            if trains is None:
+                # Optimizer entries that could not be matched to weights: assume all train.
+                if not (has_optimizer and not paired) and not layout.optimizer_state_of(i):
+                    frozen.append(i)
+            elif not trains:
+                frozen.append(i)
+                vouched.add(i)
+        return frozen, vouched
 
     def _plan_weights(
         self,
@@ -362,14 +373,13 @@ class DynaQuant(Policy):
             inflation = self._memory.inflation or 1.0 + 1.3 * self.stickiness
         # Weights without optimizer state are frozen (or the state is a bare model): their
         # error is never trained away, so they get the tighter budget.
-        frozen = self._frozen(leaves, layout, indices)
+        frozen, watched_frozen = self._frozen(leaves, layout, indices)
         scales = {i: min(self.frozen_tolerance / self.tolerance, 1.0) for i in frozen}
         # A weight the watched model does not train has not moved: what separates it from
         # its reference is the reference's own error, which the frozen budget bounded when
         # it was stored. Bounding it by that "movement" would re-code the error at every
         # delta (MiniLM: its frozen layers were 31 % of every delta step).
-        fixed = set(frozen) if self._memory.watch.watching else set()
-        movable = [i for i in indices if i not in fixed]
+        movable = [i for i in indices if i not in watched_frozen]
         moving = self._bound_by_movement(leaves, references, trials, movable, scales, budget)
         cube = ConfigurationCube(
             trials, leaves, self.bins, self.embedding_bins, self.prune, self.protect, budget / inflation,

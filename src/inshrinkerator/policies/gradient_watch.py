@@ -48,7 +48,7 @@ def layer_type_of_module(module: torch.nn.Module) -> str:
 class _Entry:
     __slots__ = ("name", "parameter", "average", "layer_type", "steps", "hooked")
 
-    def __init__(self, name: str, parameter: torch.nn.Parameter, layer_type: str) -> None:
+    def __init__(self, name: str, parameter: torch.Tensor, layer_type: str) -> None:
         self.hooked = parameter.requires_grad
         self.name = name
         self.parameter = weakref.ref(parameter)
@@ -98,6 +98,10 @@ class GradientWatch:
             # no hook: torch does not hook a tensor that does not require grad.
             if entry.hooked:
                 self._handles.append(parameter.register_post_accumulate_grad_hook(self._hook(entry)))
+        # Buffers are known too: no gradient trains them (trains() is False for them).
+        for name, buffer in model.named_buffers():
+            if buffer.dtype.is_floating_point:
+                self._entries.append(_Entry(name, buffer, owners.get(name, "other")))
 
     def _hook(self, entry: _Entry):  # noqa: ANN202 - a torch hook
         beta = self.beta
@@ -142,12 +146,14 @@ class GradientWatch:
                 by_name = entry
         return by_name
 
-    def trains(self, leaf: TensorLeaf) -> bool:
-        """Whether ``leaf`` holds a parameter of the watched model that requires grad *now*
-        (a layer unfrozen after :meth:`attach` trains; one frozen since does not)."""
+    def trains(self, leaf: TensorLeaf) -> Optional[bool]:
+        """Whether the watched parameter ``leaf`` holds requires grad *now* (a layer
+        unfrozen after :meth:`attach` trains; one frozen since does not); ``None`` when
+        ``leaf`` is no parameter of the watched model (another model of the same state, or
+        the watched model is gone), which the watch cannot tell about."""
         entry = self._find(leaf)
         parameter = entry.parameter() if entry is not None else None
-        return parameter is not None and parameter.requires_grad
+        return None if parameter is None else parameter.requires_grad
 
     def gradient_average(self, leaf: TensorLeaf) -> Optional[torch.Tensor]:
         """The gradient average of the parameter ``leaf`` holds, or ``None`` (not watched / no step yet)."""
