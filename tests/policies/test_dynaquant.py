@@ -389,6 +389,26 @@ def test_a_weight_that_moved_less_than_its_levels_can_hold_is_stored_as_its_quan
     assert error <= 0.1 * moved
 
 
+def _train_two_layers(model: torch.nn.Module, optimizer: torch.optim.Optimizer, start: int) -> None:
+    for step in range(start, start + 3):
+        x = torch.randn(32, 64, generator=torch.Generator().manual_seed(step))
+        loss = model(x).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+def _plan_and_encode(policy: DynaQuant, model: torch.nn.Module, optimizer: torch.optim.Optimizer, references):
+    """(codecs, encodings, true tensors) by key, of the model and optimizer state now."""
+    flat = flatten({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+    keys = [format_key_path(leaf.path) for leaf in flat.tensors]
+    refs = [references.get(key) for key in keys] if references else [None] * len(keys)
+    codecs = policy.plan(flat.tensors, refs)
+    encoded = {key: codec.encode(leaf.tensor, ref if codec.uses_reference else None)
+               for key, leaf, codec, ref in zip(keys, flat.tensors, codecs, refs)}
+    return dict(zip(keys, codecs)), encoded, {key: leaf.tensor.clone() for key, leaf in zip(keys, flat.tensors)}
+
+
 def test_a_frozen_weight_is_not_recoded_at_every_delta() -> None:
     # Its difference from the reference is the reference's own error, not movement: the
     # delta keeps it on its levels (a few bytes) instead of coding that error again.
@@ -399,31 +419,14 @@ def test_a_frozen_weight_is_not_recoded_at_every_delta() -> None:
     policy.watch(model)
     optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], 1e-3)
 
-    def saved(references):
-        flat = flatten({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
-        keys = [format_key_path(leaf.path) for leaf in flat.tensors]
-        refs = [references.get(key) for key in keys] if references else [None] * len(keys)
-        codecs = policy.plan(flat.tensors, refs)
-        encoded = {key: codec.encode(leaf.tensor, ref if codec.uses_reference else None)
-                   for key, leaf, codec, ref in zip(keys, flat.tensors, codecs, refs)}
-        return dict(zip(keys, codecs)), encoded, {key: leaf.tensor.clone() for key, leaf in zip(keys, flat.tensors)}
-
     def size(encoded) -> int:
         return sum(len(bytes(stream)) for stream in encoded.streams)
 
-    def train(start: int) -> None:
-        for step in range(start, start + 3):
-            x = torch.randn(32, 64, generator=torch.Generator().manual_seed(step))
-            loss = model(x).pow(2).mean()
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-
-    train(0)
-    _, full, _ = saved(None)
-    train(10)
+    _train_two_layers(model, optimizer, 0)
+    _, full, _ = _plan_and_encode(policy, model, optimizer, None)
+    _train_two_layers(model, optimizer, 10)
     references = {key: e.reconstruction for key, e in full.items() if e.reconstruction is not None}
-    codecs, delta, true = saved(references)
+    codecs, delta, true = _plan_and_encode(policy, model, optimizer, references)
     frozen, trained = "model/0.weight", "model/2.weight"
     assert isinstance(codecs[frozen], DynaQuantDeltaCodec)
     # Its level table (at most 129 float32 levels) and under a quarter of a bit per value;
@@ -518,33 +521,14 @@ def test_a_layer_unfrozen_after_watch_has_its_movement_coded() -> None:
     model[0].requires_grad_(True)
     optimizer = torch.optim.Adam(model.parameters(), 1e-4)
     key = "model/0.weight"
-
-    def train(start: int) -> None:
-        for step in range(start, start + 3):
-            x = torch.randn(32, 64, generator=torch.Generator().manual_seed(step))
-            loss = model(x).pow(2).mean()
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-
-    def saved(references):
-        flat = flatten({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
-        keys = [format_key_path(leaf.path) for leaf in flat.tensors]
-        refs = [references.get(k) for k in keys] if references else [None] * len(keys)
-        codecs = policy.plan(flat.tensors, refs)
-        return {k: codec.encode(leaf.tensor, ref if codec.uses_reference else None)
-                for k, leaf, codec, ref in zip(keys, flat.tensors, codecs, refs)}
-
-    train(0)
-    full = saved(None)
-    before = model[0].weight.detach().clone()
-    train(10)
-    moved = model[0].weight.detach()
+    _train_two_layers(model, optimizer, 0)
+    _, full, before = _plan_and_encode(policy, model, optimizer, None)
+    _train_two_layers(model, optimizer, 10)
     references = {k: e.reconstruction for k, e in full.items() if e.reconstruction is not None}
-    delta = saved(references)
+    _, delta, true = _plan_and_encode(policy, model, optimizer, references)
     # A frozen layer's delta keeps the full checkpoint's levels (its error stays about the
     # reference's); a trained one is bounded by its movement, measured from the reference.
-    kept_error = float((references[key] - moved).pow(2).sum())
-    delta_error = float((delta[key].reconstruction - moved).pow(2).sum())
-    assert float((moved - before).abs().max()) > 0
+    kept_error = float((references[key] - true[key]).pow(2).sum())
+    delta_error = float((delta[key].reconstruction - true[key]).pow(2).sum())
+    assert float((true[key] - before[key]).abs().max()) > 0
     assert delta_error < 0.5 * kept_error
