@@ -330,15 +330,15 @@ class DynaQuant(Policy):
         optimizer entries with weights at all (a bare model: every weight).
         """
         watch = self._memory.watch
-        paired = any(layout.parameter_of)
         has_optimizer = any(role is not TensorRole.WEIGHT and role is not TensorRole.OTHER for role in layout.roles)
+        # Optimizer entries that could not be matched to weights at all: assume all train.
+        by_optimizer_state = any(layout.parameter_of) or not has_optimizer
         frozen: list[int] = []
         vouched: set[int] = set()
         for i in indices:
             trains = watch.trains(leaves[i]) if watch.watching else None
             if trains is None:
-                # Optimizer entries that could not be matched to weights: assume all train.
-                if not (has_optimizer and not paired) and not layout.optimizer_state_of(i):
+                if by_optimizer_state and not layout.optimizer_state_of(i):
                     frozen.append(i)
             elif not trains:
                 frozen.append(i)

@@ -1,11 +1,11 @@
 """Gradient statistics for sensitivity-aware quantization, collected by hooks on a model.
 
 :class:`GradientWatch` registers a post-accumulate-grad hook on every trainable
-parameter of a watched model (and remembers the frozen ones, whose ``requires_grad`` it
-reads again at save time: a layer unfrozen later trains). After each backward pass the hook folds the new
-gradient into an exponential moving average, ``ema = beta * g + (1 - beta) * ema``
-(beta = 0.9 weights the *new* gradient, as in Inshrinkerator), so at save time the
-average reflects the last few steps before the save. The first-order Taylor
+parameter of a watched model, and remembers its frozen parameters and its buffers (whether
+a parameter trains is read at save time: a layer unfrozen later trains). After each
+backward pass the hook folds the new gradient into an exponential moving average,
+``ema = beta * g + (1 - beta) * ema`` (beta = 0.9 weights the *new* gradient, as in
+Inshrinkerator), so at save time the average reflects the last few steps before the save. The first-order Taylor
 estimate of a weight's importance is then ``|ema * w|``.
 
 The average lives on the parameter's device; updating it costs one fused
@@ -148,9 +148,9 @@ class GradientWatch:
 
     def trains(self, leaf: TensorLeaf) -> Optional[bool]:
         """Whether the watched parameter ``leaf`` holds requires grad *now* (a layer
-        unfrozen after :meth:`attach` trains; one frozen since does not); ``None`` when
-        ``leaf`` is no parameter of the watched model (another model of the same state, or
-        the watched model is gone), which the watch cannot tell about."""
+        unfrozen after :meth:`attach` trains; one frozen since does not; a buffer never
+        does); ``None`` when ``leaf`` is no parameter or buffer of the watched model
+        (another model of the same state, or the watched model is gone)."""
         entry = self._find(leaf)
         parameter = entry.parameter() if entry is not None else None
         return None if parameter is None else parameter.requires_grad
