@@ -5,8 +5,8 @@ parameter of a watched model, and remembers its frozen parameters and its buffer
 a parameter trains is read at save time: a layer unfrozen later trains). After each
 backward pass the hook folds the new gradient into an exponential moving average,
 ``ema = beta * g + (1 - beta) * ema`` (beta = 0.9 weights the *new* gradient, as in
-Inshrinkerator), so at save time the average reflects the last few steps before the save. The first-order Taylor
-estimate of a weight's importance is then ``|ema * w|``.
+Inshrinkerator), so at save time the average reflects the last few steps before the save.
+The first-order Taylor estimate of a weight's importance is then ``|ema * w|``.
 
 The average lives on the parameter's device; updating it costs one fused
 elementwise pass per parameter per step. Leaves of a saved state are matched to
