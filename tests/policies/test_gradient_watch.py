@@ -101,3 +101,30 @@ def test_trains_reads_requires_grad_at_save_time() -> None:
     watch.attach(model)
     backward()
     assert watch.gradient_average(embedding) is not None and watch.layer_type(embedding) == "embedding"
+
+
+def test_a_copied_leaf_matches_its_own_name_before_a_shorter_one() -> None:
+    # A top-level "weight" and an "inner.weight" of the same shape: a copied (async) state's
+    # "inner.weight" is inner's, though it also ends in ".weight".
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(3, 3))
+            self.inner = torch.nn.Linear(3, 3, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x @ self.weight)
+
+    model = Model()
+    watch = GradientWatch(beta=1.0)
+    watch.attach(model)
+    model(torch.ones(2, 3)).sum().backward()
+    copied = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    for name in ("weight", "inner.weight"):
+        average = watch.gradient_average(TensorLeaf(("model", name), copied[name]))
+        assert torch.equal(average, dict(model.named_parameters())[name].grad)
+    # Storage that moved (a parameter given new data) is found again after refresh().
+    model.inner.weight.data = model.inner.weight.data.clone() * 2
+    watch.refresh()
+    moved = TensorLeaf(("renamed",), model.inner.weight.detach())
+    assert watch.trains(moved) is True and watch.layer_type(moved) == "linear"

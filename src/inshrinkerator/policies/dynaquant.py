@@ -256,6 +256,7 @@ class DynaQuant(Policy):
         codecs = Lossless().plan(leaves, references)
         layout = layout_of(leaves)
         self._harvest_levels()
+        self._memory.watch.refresh()
         eligible = [
             leaf.tensor.dtype.is_floating_point and leaf.tensor.numel() >= self.min_numel for leaf in leaves
         ]

@@ -71,6 +71,10 @@ class GradientWatch:
         self._entries: list[_Entry] = []
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._lock = threading.Lock()
+        # (entries by storage address, entries by name): built on the first lookup after
+        # attach() or refresh(), so matching a state's leaves costs O(leaves), not
+        # O(leaves x parameters).
+        self._index: Optional[tuple[dict[int, list[_Entry]], dict[str, _Entry]]] = None
 
     def attach(self, model: torch.nn.Module) -> None:
         """Start averaging the gradients of ``model``'s trainable parameters.
@@ -126,25 +130,54 @@ class GradientWatch:
             handle.remove()
         self._handles.clear()
         self._entries.clear()
+        self._index = None
+
+    def refresh(self) -> None:
+        """Forget where the parameters' storage was (they may have moved since the last save)."""
+        self._index = None
 
     @property
     def watching(self) -> bool:
         return bool(self._entries)
 
+    def _lookup_tables(self) -> tuple[dict[int, list[_Entry]], dict[str, _Entry]]:
+        if self._index is None:
+            by_storage: dict[int, list[_Entry]] = {}
+            by_name: dict[str, _Entry] = {}
+            for entry in self._entries:
+                parameter = entry.parameter()
+                if parameter is None:
+                    continue
+                if parameter.numel():
+                    by_storage.setdefault(parameter.untyped_storage().data_ptr(), []).append(entry)
+                by_name.setdefault(entry.name, entry)
+            self._index = (by_storage, by_name)
+        return self._index
+
     def _find(self, leaf: TensorLeaf) -> Optional[_Entry]:
+        """The entry of the parameter or buffer ``leaf`` holds: the one sharing its storage
+        (a ``state_dict``), else the one whose name ends its key path (a copied state), of
+        the same shape."""
+        by_storage, by_name = self._lookup_tables()
         tensor = leaf.tensor
-        pointer = tensor.untyped_storage().data_ptr() if tensor.numel() else None
+        shape = tuple(tensor.shape)
+
+        def alive_with_shape(entry: Optional[_Entry]) -> bool:
+            parameter = entry.parameter() if entry is not None else None
+            return parameter is not None and tuple(parameter.shape) == shape
+
+        if tensor.numel():
+            for entry in by_storage.get(tensor.untyped_storage().data_ptr(), ()):
+                if alive_with_shape(entry):
+                    return entry
         name = leaf.path[-1] if leaf.path and isinstance(leaf.path[-1], str) else None
-        by_name = None
-        for entry in self._entries:
-            parameter = entry.parameter()
-            if parameter is None or tuple(parameter.shape) != tuple(tensor.shape):
-                continue
-            if pointer is not None and parameter.untyped_storage().data_ptr() == pointer:
-                return entry
-            if name is not None and by_name is None and (entry.name == name or name.endswith("." + entry.name)):
-                by_name = entry
-        return by_name
+        if name is not None:
+            parts = name.split(".")
+            for start in range(len(parts)):  # "encoder.0.weight", then "0.weight", "weight"
+                entry = by_name.get(".".join(parts[start:]))
+                if alive_with_shape(entry):
+                    return entry
+        return None
 
     def trains(self, leaf: TensorLeaf) -> Optional[bool]:
         """Whether the watched parameter ``leaf`` holds requires grad *now* (a layer
