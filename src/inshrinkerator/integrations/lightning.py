@@ -42,7 +42,7 @@ except ImportError:  # the standalone packages
 
 from ..errors import CheckpointNotFoundError
 from ..policies import Policy
-from ..store import policy_or_default
+from ..store import policy_or_default, watch_with
 from ._keyframes import KEYFRAME_DIR, KeyframeStore
 
 __all__ = ["InkCheckpointIO", "InkWatch"]
@@ -162,9 +162,7 @@ class InkCheckpointIO(CheckpointIO):
     def watch(self, model: torch.nn.Module) -> None:
         """Let a policy that wants gradients see ``model`` (a no-op for other policies);
         the :class:`InkWatch` callback calls it with the ``LightningModule``."""
-        hook = getattr(self.policy, "watch", None)
-        if callable(hook):
-            hook(model)
+        watch_with(self.policy, model)
 
     def teardown(self) -> None:
         with self._lock:
@@ -211,15 +209,14 @@ class InkWatch(Callback):
                 f"is {type(trainer.strategy.checkpoint_io).__name__}"
             )
         self._io = io
-        self._watch(io, pl_module)
-
-    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
-        if self._io is not None and _trained_names(pl_module) != self._trained:
-            self._watch(self._io, pl_module)
-
-    def _watch(self, io: InkCheckpointIO, pl_module: Any) -> None:
         io.watch(pl_module)
         self._trained = _trained_names(pl_module)
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        trained = _trained_names(pl_module)
+        if self._io is not None and trained != self._trained:
+            self._io.watch(pl_module)
+            self._trained = trained
 
 
 def _trained_names(module: torch.nn.Module) -> frozenset[str]:

@@ -39,7 +39,7 @@ except ImportError as error:
 
 from ..errors import FormatError
 from ..policies import Policy
-from ..store import policy_or_default
+from ..store import policy_or_default, watch_with
 from ._keyframes import KEYFRAME_DIR, KeyframeStore
 
 __all__ = ["InkTrainerMixin", "InkTrainer", "STATE_FILE"]
@@ -97,10 +97,9 @@ class InkTrainerMixin:
             raise TypeError(f"ink_watch must be a bool, got {ink_watch!r}")
         # One policy object for every store of this trainer: it carries what it watched.
         self._ink_policy: Policy = policy_or_default(ink_policy)
-        watch = getattr(self._ink_policy, "watch", None)
         model = getattr(self, "model", None)
-        if ink_watch and callable(watch) and isinstance(model, torch.nn.Module):  # not with model_init
-            watch(model)
+        if ink_watch and isinstance(model, torch.nn.Module):  # not with model_init
+            watch_with(self._ink_policy, model)
         self._ink_full_every = ink_full_every
         self._ink_stores: dict[Path, KeyframeStore] = {}
         self._ink_parts: Optional[dict[str, Any]] = None

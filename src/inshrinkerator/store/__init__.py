@@ -6,7 +6,7 @@
 
 from .async_worker import AsyncSaveError
 from .inspection import RunEntry, describe_run, is_run, verify_run
-from .manager import CheckpointManager, default_policy_name, policy_or_default
+from .manager import CheckpointManager, default_policy_name, policy_or_default, watch_with
 
 __all__ = [
     "CheckpointManager",
@@ -17,4 +17,5 @@ __all__ = [
     "is_run",
     "default_policy_name",
     "policy_or_default",
+    "watch_with",
 ]

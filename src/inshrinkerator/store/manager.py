@@ -44,6 +44,13 @@ def policy_or_default(policy: Union[str, Policy, None]) -> Policy:
     return resolve_policy(default_policy_name() if policy is None else policy)
 
 
+def watch_with(policy: Policy, model: torch.nn.Module) -> None:
+    """Let ``policy`` watch ``model`` if it wants gradients (DynaQuant); others ignore it."""
+    hook = getattr(policy, "watch", None)
+    if callable(hook):
+        hook(model)
+
+
 def _check_step(step: Any) -> int:
     if isinstance(step, bool):
         raise TypeError(f"a step is a non-negative int, got {step!r}")
@@ -435,9 +442,7 @@ class CheckpointManager:
 
     def watch(self, model: torch.nn.Module) -> None:
         """Let a policy that wants gradients see ``model`` (a no-op for other policies)."""
-        hook = getattr(self._policy, "watch", None)
-        if callable(hook):
-            hook(model)
+        watch_with(self._policy, model)
         self._collect_setup_garbage()
 
     def _collect_setup_garbage(self) -> None:
