@@ -87,8 +87,17 @@ def _frozen_embedding_run(out: Path, watch: bool) -> dict[str, int]:
         return {format_key_path(paths[i]): record.stored_bytes for i, record in enumerate(reader.header.tensors)}
 
 
-def test_a_watched_model_keeps_its_frozen_layers_out_of_every_checkpoint(tmp_path: Path) -> None:
+def test_a_watched_model_keeps_its_frozen_layers_out_of_every_checkpoint(tmp_path: Path, monkeypatch) -> None:
+    import threading
+
+    from inshrinkerator.policies import DynaQuant
+
+    # The policy hears of each save on the training thread (where it hooks unfrozen layers).
+    threads: list[int] = []
+    original = DynaQuant.before_save
+    monkeypatch.setattr(DynaQuant, "before_save", lambda self: (threads.append(threading.get_ident()), original(self)))
     watched = _frozen_embedding_run(tmp_path / "watched", watch=True)
+    assert threads == [threading.get_ident()] * 2
     unwatched = _frozen_embedding_run(tmp_path / "unwatched", watch=False)
     key = "model/transformer.wte.weight"
     # Unwatched, the frozen embedding's distance from its stored levels looks like

@@ -532,3 +532,22 @@ def test_a_layer_unfrozen_after_watch_has_its_movement_coded() -> None:
     delta_error = float((delta[key].reconstruction - true[key]).pow(2).sum())
     assert float((true[key] - before[key]).abs().max()) > 0
     assert delta_error < 0.5 * kept_error
+
+
+def test_a_manager_averages_the_gradients_of_a_layer_unfrozen_after_watch(tmp_path) -> None:
+    # Its sensitivity then comes from gradients from the save after unfreezing on, without
+    # watching the model again (which would forget the other layers' averages).
+    from inshrinkerator.tree import TensorLeaf
+
+    model, _ = _two_layer_state(frozen_first=True)
+    with ink.CheckpointManager(tmp_path / "run") as mgr:
+        mgr.watch(model)
+        watch = mgr.policy._memory.watch
+        model[0].requires_grad_(True)
+        optimizer = torch.optim.Adam(model.parameters(), 1e-4)
+        _train_two_layers(model, optimizer, 0)
+        first = TensorLeaf(("model", "0.weight"), model[0].weight.detach())
+        assert watch.gradient_average(first) is None  # no hook before a save
+        mgr.save(1, {"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+        _train_two_layers(model, optimizer, 10)
+        assert watch.gradient_average(first) is not None

@@ -91,16 +91,33 @@ def test_trains_reads_requires_grad_at_save_time() -> None:
     state = model.state_dict()
     embedding, linear = TensorLeaf(("0.weight",), state["0.weight"]), TensorLeaf(("2.weight",), state["2.weight"])
     assert watch.trains(embedding) and not watch.trains(linear)
-    # The unfrozen layer has no hook (torch hooks only tensors that require grad), so no
-    # average and no layer type until the model is watched again.
+    # The unfrozen layer has no hook yet (torch hooks only tensors that require grad), so no
+    # average and no layer type until hook_unfrozen(); the averages collected so far stay.
     def backward() -> None:
         model(torch.randint(0, 10, (5, 2), generator=torch.Generator().manual_seed(0))).pow(2).sum().backward()
 
+    bias = TensorLeaf(("2.bias",), state["2.bias"])
     backward()
     assert watch.gradient_average(embedding) is None and watch.layer_type(embedding) is None
-    watch.attach(model)
+    kept = watch.gradient_average(bias)
+    assert kept is not None
+    assert watch.hook_unfrozen() == 1
+    assert watch.hook_unfrozen() == 0  # hooked once only
+    assert torch.equal(watch.gradient_average(bias), kept)
     backward()
     assert watch.gradient_average(embedding) is not None and watch.layer_type(embedding) == "embedding"
+    assert not torch.equal(watch.gradient_average(bias), kept)  # still averaging
+
+
+def test_hook_unfrozen_leaves_buffers_alone() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
+    model[0].weight.requires_grad_(False)
+    watch = GradientWatch()
+    watch.attach(model)
+    model[1].running_mean.requires_grad_(True)  # odd, but a buffer is not trained by a gradient
+    assert watch.hook_unfrozen() == 0
+    model[0].weight.requires_grad_(True)
+    assert watch.hook_unfrozen() == 1
 
 
 def test_a_copied_leaf_matches_its_own_name_before_a_shorter_one() -> None:

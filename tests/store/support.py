@@ -8,6 +8,8 @@ against the *reconstructed* previous step (the closed loop) or against the true 
 
 from __future__ import annotations
 
+import threading
+
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -87,6 +89,7 @@ class RoundingPolicy(Policy):
     def __init__(self, scale: float = 1e-3) -> None:
         self.scale = scale
         self.watched: list[Any] = []
+        self.before_save_threads: list[int] = []
 
     def plan(self, leaves: Sequence[TensorLeaf], references: Sequence[Optional[torch.Tensor]]) -> list[Codec]:
         fallback = Lossless().plan(leaves, references)
@@ -103,6 +106,9 @@ class RoundingPolicy(Policy):
 
     def watch(self, model: Any) -> None:
         self.watched.append(model)
+
+    def before_save(self) -> None:
+        self.before_save_threads.append(threading.get_ident())
 
 
 __all__ = ["state_for", "RoundingPolicy", "RoundToGridCodec", "RoundedDeltaCodec", "RawCodec"]

@@ -206,6 +206,16 @@ def test_watch_reaches_policies_that_want_it(tmp_path) -> None:
     CheckpointManager(tmp_path / "b", policy="lossless").watch(model)  # no hook: no-op
 
 
+@pytest.mark.parametrize("async_save", [False, True])
+def test_policies_hear_of_every_save_on_the_callers_thread(tmp_path, async_save: bool) -> None:
+    # A watching policy adds gradient hooks there, which must happen on the training thread.
+    policy = RoundingPolicy()
+    with CheckpointManager(tmp_path / "run", policy=policy, async_save=async_save) as mgr:
+        for step in range(3):
+            mgr.save(step, state_for(step))
+    assert policy.before_save_threads == [threading.get_ident()] * 3
+
+
 def test_closed_manager_refuses_work(tmp_path) -> None:
     mgr = CheckpointManager(tmp_path / "run", policy="lossless")
     mgr.close()

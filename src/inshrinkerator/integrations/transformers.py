@@ -179,6 +179,7 @@ class InkTrainerMixin:
 
     def _ink_write(self, folder: Path) -> None:
         parts = self._ink_parts or {}
+        self._ink_policy.before_save()  # the training thread: a watching policy hooks unfrozen layers
         self._ink_store(folder.parent.absolute()).save(
             parts, folder / STATE_FILE, step=self.state.global_step  # type: ignore[attr-defined]
         )

@@ -34,5 +34,10 @@ class Policy(ABC):
     ) -> list[Codec]:
         """One codec per leaf, in order."""
 
+    def before_save(self) -> None:
+        """Called on the training thread at every save, before the state is copied or
+        planned (``plan`` may run on a background thread later). A policy that watches a
+        model updates its hooks here; the default does nothing."""
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

@@ -238,6 +238,10 @@ class DynaQuant(Policy):
         """Average ``model``'s gradients from now on (sensitivity scores, Fisher weights)."""
         self._memory.watch.attach(model)
 
+    def before_save(self) -> None:
+        """Average the gradients of watched layers unfrozen since the last save too."""
+        self._memory.watch.hook_unfrozen()
+
     @property
     def search_log(self) -> list[SearchRecord]:
         """One record per save that searched (evaluations, seconds, chosen configuration)."""

@@ -46,10 +46,11 @@ def layer_type_of_module(module: torch.nn.Module) -> str:
 
 
 class _Entry:
-    __slots__ = ("name", "parameter", "average", "layer_type", "steps", "hooked")
+    __slots__ = ("name", "parameter", "average", "layer_type", "steps", "hooked", "is_parameter")
 
-    def __init__(self, name: str, parameter: torch.Tensor, layer_type: str) -> None:
-        self.hooked = parameter.requires_grad
+    def __init__(self, name: str, parameter: torch.Tensor, layer_type: str, is_parameter: bool = True) -> None:
+        self.hooked = is_parameter and parameter.requires_grad
+        self.is_parameter = is_parameter
         self.name = name
         self.parameter = weakref.ref(parameter)
         self.average: Optional[torch.Tensor] = None
@@ -79,9 +80,9 @@ class GradientWatch:
     def attach(self, model: torch.nn.Module) -> None:
         """Start averaging the gradients of ``model``'s trainable parameters.
 
-        A parameter unfrozen later counts as trained (:meth:`trains`) but has no gradient
-        average (sensitivity falls back to magnitude for it); watch the model again after
-        unfreezing to average its gradients too.
+        A parameter unfrozen later counts as trained (:meth:`trains`) at once; its gradients
+        are averaged from the next :meth:`hook_unfrozen` on (until then sensitivity falls
+        back to magnitude for it).
 
         Watching a new model (e.g. rebuilt after a restore) replaces the previous one.
         """
@@ -105,7 +106,25 @@ class GradientWatch:
         # Buffers are known too: no gradient trains them (trains() is False for them).
         for name, buffer in model.named_buffers():
             if buffer.dtype.is_floating_point:
-                self._entries.append(_Entry(name, buffer, owners.get(name, "other")))
+                self._entries.append(_Entry(name, buffer, owners.get(name, "other"), is_parameter=False))
+
+    def hook_unfrozen(self) -> int:
+        """Start averaging the gradients of watched parameters unfrozen since they were
+        watched (progressive unfreezing); returns how many were hooked.
+
+        Call it on the thread that trains, between steps: it adds hooks to live tensors.
+        Averages already collected are kept, unlike watching the model again.
+        """
+        hooked = 0
+        for entry in self._entries:
+            if entry.hooked or not entry.is_parameter:
+                continue
+            parameter = entry.parameter()
+            if parameter is not None and parameter.requires_grad:
+                self._handles.append(parameter.register_post_accumulate_grad_hook(self._hook(entry)))
+                entry.hooked = True
+                hooked += 1
+        return hooked
 
     def _hook(self, entry: _Entry):  # noqa: ANN202 - a torch hook
         beta = self.beta

@@ -228,6 +228,8 @@ class CheckpointManager:
         step = _check_step(step)
         if self._worker is not None:
             self._worker.result()
+        # On the caller's (training) thread, with no background save planning.
+        self._policy.before_save()
         try:
             latest = self._latest_manifest()
         except Exception as exc:  # reading the run failed (unreachable, damaged): nothing written
