@@ -161,7 +161,7 @@ def read_tensors(
         chosen = set(indices)
         for index, record in enumerate(reader.header.tensors):
             if index not in chosen:
-                reader.read_streams(record)  # CorruptCheckpointError on a damaged section
+                reader.check_record(record)  # CorruptCheckpointError on a damaged section
     tensors = _decode(reader, keys, indices, references, reference_hint, None)
     return {keys[i]: tensor for i, tensor in zip(indices, tensors)}
 

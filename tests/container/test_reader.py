@@ -340,3 +340,97 @@ def test_decode_many_matches_decode_one_by_one_and_reports_the_earliest_damage(s
     with ContainerReader(io.BytesIO(bytes(damaged)), "many.ink") as reader:
         with pytest.raises(CorruptCheckpointError, match=f"data offset {first_damaged.offset}"):
             reader.decode_many(reader.header.tensors)
+
+
+# ------------------------------------------------------------------ large tensors in slices
+
+
+class _SlicedPolicy:
+    """Stores every tensor with the lossless codec in slices of 4 KiB."""
+
+    name = "test-sliced"
+
+    def plan(self, leaves, references):
+        from inshrinkerator.codecs import ByteGroupingCodec
+
+        return [ByteGroupingCodec(chunk_bytes=4096, slice_bytes=4096) for _ in leaves]
+
+
+class _LoggingBytes(io.BytesIO):
+    """Logs the size of every read; fails reads after ``fail_after`` of them, if given."""
+
+    def __init__(self, data: bytes, log: list, fail_after: int | None = None) -> None:
+        super().__init__(data)
+        self.log, self.fail_after, self.reads = log, fail_after, 0
+
+    def read(self, size: int = -1) -> bytes:
+        self.reads += 1
+        if self.fail_after is not None and self.reads > self.fail_after:
+            raise OSError("network went away")
+        data = super().read(size)
+        self.log.append(("read", len(data)))
+        return data
+
+
+@pytest.fixture(scope="module")
+def sliced_file() -> tuple[bytes, torch.Tensor]:
+    from inshrinkerator.policies.base import Policy
+
+    tensor = torch.randn(16384, generator=torch.Generator().manual_seed(0))
+    out = io.BytesIO()
+    write_state(out, {"big": tensor}, type("Sliced", (_SlicedPolicy, Policy), {})())
+    return out.getvalue(), tensor
+
+
+def test_a_large_tensor_in_slices_is_read_as_its_codec_decodes_it(sliced_file, monkeypatch) -> None:
+    # So decoding it holds one compressed slice at a time, not the whole tensor's.
+    from inshrinkerator.codecs import byte_grouping
+    from inshrinkerator.container import reader as reader_module
+
+    data, tensor = sliced_file
+    log: list = []
+    decode_rows = byte_grouping._decode_rows
+    monkeypatch.setattr(byte_grouping, "_decode_rows", lambda *a: (log.append(("decode", 0)), decode_rows(*a))[1])
+    monkeypatch.setattr(reader_module, "_LAZY_RECORD_BYTES", 1024)
+    with ContainerReader(_LoggingBytes(data, log), "sliced.ink") as reader:
+        (record,) = reader.header.tensors
+        assert len(record.sections) == 16
+        log.clear()
+        assert torch.equal(reader.decode(record), tensor)
+    kinds = [kind for kind, _ in log]
+    assert kinds == ["read", "decode"] * 16
+
+
+def test_damage_and_io_errors_in_a_lazily_read_slice_keep_their_meaning(sliced_file, monkeypatch) -> None:
+    from inshrinkerator.container import reader as reader_module
+
+    data, _ = sliced_file
+    monkeypatch.setattr(reader_module, "_LAZY_RECORD_BYTES", 1024)
+    with ContainerReader(io.BytesIO(data), "sliced.ink") as reader:
+        section = reader.header.tensors[0].sections[9]
+        offset = reader.data_start + section.offset
+    damaged = bytearray(data)
+    damaged[offset] ^= 0xFF
+    with ContainerReader(io.BytesIO(bytes(damaged)), "sliced.ink") as reader:
+        with pytest.raises(CorruptCheckpointError, match=f"sliced.ink: section checksum mismatch at data offset {section.offset}"):
+            reader.decode(reader.header.tensors[0])
+    with ContainerReader(_LoggingBytes(data, [], fail_after=8), "remote.ink") as reader:
+        with pytest.raises(OSError, match="network went away"):
+            reader.decode(reader.header.tensors[0])
+
+
+def test_verify_holds_one_section_at_a_time(sliced_file) -> None:
+    import tracemalloc
+
+    data, tensor = sliced_file
+    with ContainerReader(io.BytesIO(data), "sliced.ink") as reader:
+        sections = reader.header.tensors[0].sections
+        tracemalloc.start()
+        try:
+            checked = reader.verify()
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    total = sum(s.length for s in sections)
+    assert checked == total
+    assert peak < total / 4  # a section is 1/16 of the tensor's bytes

@@ -3,7 +3,10 @@
 Opening a file checks the preamble, the header's CRC-32 and every field of the
 header (see :func:`~.format.parse_header`), the zero padding after it and the
 exact file size. Section bytes are checked (CRC-32 and the zero padding before
-them) when they are read, before any codec sees them. Nothing in a file is ever
+them) when they are read, before any codec sees them. A tensor stored in many
+sections (slices of a large tensor) is read one section at a time, as its codec
+asks for them, so decoding it holds one compressed slice in memory, not all of
+them. Nothing in a file is ever
 executed: the header is JSON, the sections are bytes handed to the registered
 codec that the header names.
 """
@@ -11,6 +14,7 @@ codec that the header names.
 from __future__ import annotations
 
 import os
+import threading
 import zlib
 from collections.abc import Sequence
 from typing import IO, Any, Optional
@@ -25,6 +29,9 @@ from .format import PREAMBLE, Header, TensorRecord, aligned, parse_header, unpac
 
 __all__ = ["ContainerReader"]
 
+# A record of more than one section and more than this many bytes is read lazily.
+_LAZY_RECORD_BYTES = 64 << 20
+
 
 class _Failure:
     """An exception raised while decoding one of several tensors, kept until all are done."""
@@ -33,6 +40,35 @@ class _Failure:
 
     def __init__(self, error: BaseException) -> None:
         self.error = error
+
+
+class _ReadFailure(Exception):
+    """Reading a lazily read section failed: the original error is re-raised as it is, not
+    reported as data that does not decode."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class _LazySections(Sequence):
+    """The checked streams of one record, each read from the file when it is asked for."""
+
+    def __init__(self, reader: "ContainerReader", record: TensorRecord) -> None:
+        self._reader = reader
+        self._record = record
+
+    def __len__(self) -> int:
+        return len(self._record.sections)
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        section = self._record.sections[index]
+        try:
+            return self._reader._check_section(section, self._reader._read_section(section))
+        except BaseException as exc:
+            raise _ReadFailure(exc) from exc
 
 
 def _file_size(handle: IO[bytes]) -> int:
@@ -62,6 +98,7 @@ class ContainerReader:
 
     def __init__(self, handle: IO[bytes], source: str) -> None:
         self._handle = handle
+        self._lock = threading.Lock()  # lazily read sections are read from codec threads
         self.source = source
         size = _file_size(handle)
         handle.seek(0)
@@ -95,34 +132,35 @@ class ContainerReader:
         """The size of the file."""
         return self.data_start + self.header.data_bytes
 
-    def _read_sections(self, record: TensorRecord) -> list[bytes]:
-        # The raw bytes of every section, padding included (one reader of the handle at a time).
-        sections = []
-        for section in record.sections:
+    def _read_section(self, section: Any) -> bytes:
+        # The raw bytes of one section, padding included (one reader of the handle at a time).
+        with self._lock:
             self._handle.seek(self.data_start + section.offset - section.padding)
             data = self._handle.read(section.padding + section.length)
-            if len(data) != section.padding + section.length:
-                raise CorruptCheckpointError(f"{self.source}: file is truncated inside a section")
-            sections.append(data)
-        return sections
+        if len(data) != section.padding + section.length:
+            raise CorruptCheckpointError(f"{self.source}: file is truncated inside a section")
+        return data
+
+    def _read_sections(self, record: TensorRecord) -> list[bytes]:
+        return [self._read_section(section) for section in record.sections]
+
+    def _check_section(self, section: Any, data: bytes) -> Any:
+        # Padding and checksum of what _read_section read; safe on any thread.
+        if data[: section.padding].count(0) != section.padding:
+            raise CorruptCheckpointError(
+                f"{self.source}: the padding before data offset {section.offset} is not zero; "
+                "the file is damaged"
+            )
+        stream = memoryview(data)[section.padding :] if section.padding else data
+        if zlib.crc32(stream) != section.crc32:
+            raise CorruptCheckpointError(
+                f"{self.source}: section checksum mismatch at data offset {section.offset}; "
+                "the file is damaged"
+            )
+        return stream
 
     def _check_sections(self, record: TensorRecord, sections: list[bytes]) -> list[Any]:
-        # Padding and checksums of what _read_sections read; safe on any thread.
-        streams = []
-        for section, data in zip(record.sections, sections):
-            if data[: section.padding].count(0) != section.padding:
-                raise CorruptCheckpointError(
-                    f"{self.source}: the padding before data offset {section.offset} is not zero; "
-                    "the file is damaged"
-                )
-            stream = memoryview(data)[section.padding :] if section.padding else data
-            if zlib.crc32(stream) != section.crc32:
-                raise CorruptCheckpointError(
-                    f"{self.source}: section checksum mismatch at data offset {section.offset}; "
-                    "the file is damaged"
-                )
-            streams.append(stream)
-        return streams
+        return [self._check_section(section, data) for section, data in zip(record.sections, sections)]
 
     def read_streams(self, record: TensorRecord) -> list[Any]:
         """The checked bytes of every section of ``record`` (bytes-like objects).
@@ -132,6 +170,15 @@ class ContainerReader:
         """
         return [bytes(stream) for stream in self._check_sections(record, self._read_sections(record))]
 
+    def check_record(self, record: TensorRecord) -> int:
+        """Check the bytes of every section of ``record`` (checksums and padding), one
+        section in memory at a time; returns the number of data bytes checked.
+
+        Raises:
+            CorruptCheckpointError: a checksum mismatch, non-zero padding or a short read.
+        """
+        return sum(len(self._check_section(section, self._read_section(section))) for section in record.sections)
+
     def verify(self) -> int:
         """Check every section's bytes (checksums and padding) without decoding; returns
         the number of data bytes checked.
@@ -139,10 +186,7 @@ class ContainerReader:
         Raises:
             CorruptCheckpointError: the first damaged section found.
         """
-        checked = 0
-        for record in self.header.tensors:
-            checked += sum(len(stream) for stream in self.read_streams(record))
-        return checked
+        return sum(self.check_record(record) for record in self.header.tensors)
 
     def decode(self, record: TensorRecord, reference: Optional[torch.Tensor] = None, where: str = "") -> torch.Tensor:
         """Read and decode one tensor, checking the result's dtype and shape.
@@ -176,7 +220,12 @@ class ContainerReader:
                 codecs.append(get_codec(record.codec))
             except InkError as exc:
                 raise type(exc)(f"{self.source}: {self._where(record, where)}: {exc}") from None
-        sections = [self._read_sections(record) for record in records]  # I/O errors propagate
+        # Small records are read here, in order (I/O errors propagate); a large record in
+        # many sections is read by its codec, section by section.
+        sections = [
+            _LazySections(self, record) if _reads_lazily(record) else self._read_sections(record)
+            for record in records
+        ]
 
         def one(index: int) -> Any:
             try:
@@ -202,14 +251,16 @@ class ContainerReader:
         self,
         codec: Any,
         record: TensorRecord,
-        sections: list[bytes],
+        sections: Any,
         reference: Optional[torch.Tensor],
         where: str,
     ) -> torch.Tensor:
         where = self._where(record, where)
-        streams = self._check_sections(record, sections)
+        streams = sections if isinstance(sections, _LazySections) else self._check_sections(record, sections)
         try:
             tensor = codec.decode(streams, record.params, record.spec, reference)
+        except _ReadFailure as failure:
+            raise failure.error from None
         except InkError as exc:
             if str(exc).startswith(self.source):
                 raise
@@ -239,3 +290,7 @@ class ContainerReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _reads_lazily(record: TensorRecord) -> bool:
+    return len(record.sections) > 1 and sum(section.length for section in record.sections) > _LAZY_RECORD_BYTES
