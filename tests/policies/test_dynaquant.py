@@ -124,6 +124,36 @@ def test_manager_chain_is_closed_loop_and_searches_then_refines(tmp_path) -> Non
     assert abs(policy.entropy_stats.payload_overhead) < 0.05
 
 
+def _tensors_held_by(obj, seen=None) -> list[torch.Tensor]:
+    """Every tensor reachable from ``obj`` through attributes, dicts, lists and tuples."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return []
+    seen.add(id(obj))
+    if torch.is_tensor(obj):
+        return [obj]
+    if isinstance(obj, dict):
+        children = list(obj.values())
+    elif isinstance(obj, (list, tuple)):
+        children = list(obj)
+    else:
+        children = list(vars(obj).values()) if hasattr(obj, "__dict__") else []
+    return [t for child in children for t in _tensors_held_by(child, seen)]
+
+
+def test_the_policy_holds_no_large_tensor_between_saves(tmp_path) -> None:
+    # What an unwatched policy keeps from one save to the next (levels to warm-start from,
+    # bin counts) is small; the encoders' inputs (sketch keys, histograms, masks) are
+    # dropped, or a large model's state would be held again, in int32, between saves.
+    model, states = _states(2)
+    policy = DynaQuant()
+    with ink.CheckpointManager(tmp_path / "run", policy=policy) as manager:
+        for index, state in enumerate(states):
+            manager.save(index, state)
+            held = [tuple(t.shape) for t in _tensors_held_by(policy) if t.numel() > 2048]
+            assert held == [], f"after save {index}"
+
+
 def test_user_evaluate_decides_and_tolerance_trades_size_for_quality() -> None:
     _, (state,) = _states(1)
     reference = state["model"]["3.weight"].clone()

@@ -68,6 +68,8 @@ _MAX_BINS = 1024
 #: there; above it, it would dominate the encoding time).
 REARRANGE_MAX_ELEMENTS = 1 << 18
 _FINGERPRINT_SAMPLES = 4096
+# The hints an encode consumes that are as large as the tensor or its histogram.
+_ENCODER_INPUTS = ("keys", "counts", "prune_mask", "protect_mask")
 _DEFAULTS = {"bins": 16, "prune": 0.0, "protect": 0.0, "sigma": 0.2, "domain": LINEAR, "stickiness": 0.0}
 
 
@@ -275,6 +277,10 @@ class DynaQuantCodec(PreparedEncoding, Codec):
         values_bytes = table.values.contiguous().numpy().tobytes()
         protected_bytes = protected.cpu().contiguous().view(torch.uint8).numpy().tobytes()
         rebuilt = reconstruct(ids, table, protected, tensor.dtype, tuple(tensor.shape), protected_positions)
+        # A codec kept after encoding (for its fitted table) does not hold its inputs' size
+        # again; encoded again, it works from the tensor alone.
+        for name in _ENCODER_INPUTS:
+            self._hints.pop(name, None)
         return Encoded(streams=[b"".join([head, values_bytes, protected_bytes, id_stream])], reconstruction=rebuilt)
 
     def encode(self, tensor: torch.Tensor, reference: Optional[torch.Tensor] = None) -> Encoded:

@@ -578,8 +578,10 @@ class DynaQuant(Policy):
             extra = {}
             bins = self.second_moment_bins
         init = self._memory.centroids.get(key)
+        # No keys hint: the codec recomputes them (one cheap pass) when the writer encodes, so
+        # the moments' keys are not all held at once between planning and writing.
         return codec.with_hints(
-            keys=keys, counts=counts, init=init if init is not None and init.numel() == bins else None,
+            counts=counts, init=init if init is not None and init.numel() == bins else None,
             stats=self._memory.entropy, **extra,
         )
 
