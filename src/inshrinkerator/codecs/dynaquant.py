@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import struct
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 import torch
@@ -68,8 +68,6 @@ _MAX_BINS = 1024
 #: there; above it, it would dominate the encoding time).
 REARRANGE_MAX_ELEMENTS = 1 << 18
 _FINGERPRINT_SAMPLES = 4096
-# The hints an encode consumes that are as large as the tensor or its histogram.
-_ENCODER_INPUTS = ("keys", "counts", "prune_mask", "protect_mask")
 _DEFAULTS = {"bins": 16, "prune": 0.0, "protect": 0.0, "sigma": 0.2, "domain": LINEAR, "stickiness": 0.0}
 
 
@@ -186,6 +184,7 @@ class DynaQuantCodec(PreparedEncoding, Codec):
         prune_mask: Optional[torch.Tensor] = None,
         protect_mask: Optional[torch.Tensor] = None,
         stats: Optional[EntropyStats] = None,
+        on_fitted: Optional[Callable[[LevelTable], None]] = None,
     ) -> "DynaQuantCodec":
         """A copy that encodes with what a policy already knows about the tensor.
 
@@ -193,7 +192,9 @@ class DynaQuantCodec(PreparedEncoding, Codec):
         ready levels (else k-means, warm-started from ``init``); ``prune_below`` /
         ``protect_above``: magnitude-key thresholds (else the codec's fractions);
         ``prune_mask`` / ``protect_mask``: element masks on top; ``stats``: collects the
-        entropy stage's figures. Hints steer the encoder only.
+        entropy stage's figures; ``on_fitted``: called with the levels of each encode (a
+        policy warm-starts the next checkpoint from them without keeping the codec). Hints
+        steer the encoder only.
         """
         codec = type(self).from_config(self.get_config())
         codec._hints = {
@@ -202,6 +203,7 @@ class DynaQuantCodec(PreparedEncoding, Codec):
                 ("keys", keys), ("counts", counts), ("centroids", centroids), ("init", init),
                 ("prune_below", prune_below), ("protect_above", protect_above),
                 ("prune_mask", prune_mask), ("protect_mask", protect_mask), ("stats", stats),
+                ("on_fitted", on_fitted),
             )
             if value is not None
         }
@@ -277,10 +279,12 @@ class DynaQuantCodec(PreparedEncoding, Codec):
         values_bytes = table.values.contiguous().numpy().tobytes()
         protected_bytes = protected.cpu().contiguous().view(torch.uint8).numpy().tobytes()
         rebuilt = reconstruct(ids, table, protected, tensor.dtype, tuple(tensor.shape), protected_positions)
-        # A codec kept after encoding (for its fitted table) does not hold its inputs' size
-        # again; encoded again, it works from the tensor alone.
-        for name in _ENCODER_INPUTS:
-            self._hints.pop(name, None)
+        # The keys are a function of the tensor (recomputed if it is encoded again): a codec
+        # kept after encoding does not hold the tensor's size again in int32.
+        self._hints.pop("keys", None)
+        on_fitted = self._hints.get("on_fitted")
+        if on_fitted is not None:
+            on_fitted(table)
         return Encoded(streams=[b"".join([head, values_bytes, protected_bytes, id_stream])], reconstruction=rebuilt)
 
     def encode(self, tensor: torch.Tensor, reference: Optional[torch.Tensor] = None) -> Encoded:

@@ -108,7 +108,6 @@ class _Memory:
     watch: GradientWatch = field(default_factory=GradientWatch)
     best: Optional[tuple[Point, str]] = None
     centroids: dict[str, torch.Tensor] = field(default_factory=dict)
-    pending: dict[str, DynaQuantCodec] = field(default_factory=dict)
     searches: list[SearchRecord] = field(default_factory=list)
     entropy: EntropyStats = field(default_factory=EntropyStats)
     #: stored proxy error / nearest-level proxy error of the last delta (stickiness's cost)
@@ -259,7 +258,6 @@ class DynaQuant(Policy):
     ) -> list[Codec]:
         codecs = Lossless().plan(leaves, references)
         layout = layout_of(leaves)
-        self._harvest_levels()
         self._memory.watch.refresh()
         eligible = [
             leaf.tensor.dtype.is_floating_point and leaf.tensor.numel() >= self.min_numel for leaf in leaves
@@ -511,14 +509,6 @@ class DynaQuant(Policy):
 
     # ----------------------------------------------------------------- moments
 
-    def _harvest_levels(self) -> None:
-        # Warm-start this save's k-means from the levels the last save's codecs fitted.
-        for key, codec in self._memory.pending.items():
-            table = codec.fitted_table
-            if table is not None:
-                self._memory.centroids[key] = table.centroids()
-        self._memory.pending.clear()
-
     def _plan_moments(
         self,
         leaves: Sequence[TensorLeaf],
@@ -538,8 +528,6 @@ class DynaQuant(Policy):
         planned = parallel_map(lambda item: self._plan_moment(leaves, references, layout, *item, first_keep), items)
         for (index, _), codec in sorted(zip(items, planned), key=lambda pair: pair[0][0]):
             codecs[index] = codec
-            if isinstance(codec, DynaQuantCodec):
-                self._memory.pending[format_key_path(leaves[index].path)] = codec
 
     def _plan_moment(
         self,
@@ -579,10 +567,12 @@ class DynaQuant(Policy):
             bins = self.second_moment_bins
         init = self._memory.centroids.get(key)
         # No keys hint: the codec recomputes them (one cheap pass) when the writer encodes, so
-        # the moments' keys are not all held at once between planning and writing.
+        # the moments' keys are not all held at once between planning and writing. The levels
+        # it fits warm-start this moment's k-means at the next checkpoint.
         return codec.with_hints(
             counts=counts, init=init if init is not None and init.numel() == bins else None,
-            stats=self._memory.entropy, **extra,
+            stats=self._memory.entropy, on_fitted=lambda table: self._memory.centroids.__setitem__(key, table.centroids()),
+            **extra,
         )
 
     def _factored(self, tensor: torch.Tensor) -> bool:
