@@ -62,7 +62,7 @@ from ..codecs.factored_moment import FactoredMomentCodec, factored_shape
 from ..codecs.dynaquant import magnitude_thresholds
 from ..codecs.prepared import PreparedEncoding
 from ..codecs.log_sketch import MAGNITUDE_KEYS, SIGNED_KEYS, magnitude_keys, signed_keys
-from ..codecs.nonuniform_quantizer import FIRST_NON_FINITE_KEY, LOG, key_centres
+from ..codecs.nonuniform_quantizer import FIRST_NON_FINITE_KEY, LOG, LevelTable, key_centres
 from ..codecs.weighted_kmeans import float32_levels, histogram_sample_weights
 from ..tree import TensorLeaf, format_key_path
 from .base import Policy
@@ -538,8 +538,9 @@ class DynaQuant(Policy):
         role: TensorRole,
         first_keep: float,
     ) -> Codec:
-        """The codec of one first or second moment (reads the policy's memory, never writes it);
-        ``first_keep``: the fraction of Adam's first moment kept at this checkpoint."""
+        """The codec of one first or second moment (reads the policy's memory; the codec writes
+        back the levels it fits when it encodes); ``first_keep``: the fraction of Adam's first
+        moment kept at this checkpoint."""
         tensor = leaves[index].tensor.detach()
         key = format_key_path(leaves[index].path)
         if role is TensorRole.SECOND_MOMENT and self._factored(tensor):
@@ -569,10 +570,14 @@ class DynaQuant(Policy):
         # No keys hint: the codec recomputes them (one cheap pass) when the writer encodes, so
         # the moments' keys are not all held at once between planning and writing. The levels
         # it fits warm-start this moment's k-means at the next checkpoint.
+        centroids = self._memory.centroids
+
+        def remember(table: LevelTable) -> None:
+            centroids[key] = table.centroids()
+
         return codec.with_hints(
             counts=counts, init=init if init is not None and init.numel() == bins else None,
-            stats=self._memory.entropy, on_fitted=lambda table: self._memory.centroids.__setitem__(key, table.centroids()),
-            **extra,
+            stats=self._memory.entropy, on_fitted=remember, **extra,
         )
 
     def _factored(self, tensor: torch.Tensor) -> bool:
