@@ -14,6 +14,7 @@ from .entropy_width_quantize import EntropyWidthQuantizeCodec
 from .cyclic_code_delta import CyclicCodeDeltaCodec
 from .dynaquant import DynaQuantCodec, DynaQuantDeltaCodec
 from .factored_moment import FactoredMomentCodec
+from .unchanged import UnchangedCodec
 
 __all__ = [
     "Codec",
@@ -39,4 +40,5 @@ __all__ = [
     "DynaQuantCodec",
     "DynaQuantDeltaCodec",
     "FactoredMomentCodec",
+    "UnchangedCodec",
 ]

@@ -59,6 +59,7 @@ from ..codecs._parallel import parallel_map
 from ..codecs.bucket_delta import EntropyStats
 from ..codecs.dynaquant import DynaQuantCodec, DynaQuantDeltaCodec
 from ..codecs.factored_moment import FactoredMomentCodec, factored_shape
+from ..codecs.unchanged import UnchangedCodec
 from ..codecs.dynaquant import magnitude_thresholds
 from ..codecs.prepared import PreparedEncoding
 from ..codecs.log_sketch import MAGNITUDE_KEYS, SIGNED_KEYS, magnitude_keys, signed_keys
@@ -348,6 +349,38 @@ class DynaQuant(Policy):
                 vouched.add(i)
         return frozen, vouched
 
+    def _unchanged(
+        self,
+        leaves: Sequence[TensorLeaf],
+        references: Sequence[Optional[torch.Tensor]],
+        layout: StateLayout,
+        indices: list[int],
+    ) -> set[int]:
+        """The weights to store as their reference: those the watched model does not train
+        whose relative squared distance from the reference is within the frozen budget.
+
+        Their reference is what the previous checkpoint stored, so this keeps them on the
+        levels they were stored with, as the search would, without re-coding them (MiniLM:
+        21 frozen tensors, a third of a chain restore's decoding). A frozen weight given new
+        values since (loaded by hand) is over the budget and quantized again. With a user's
+        ``evaluate`` the search judges every weight, so none is set aside.
+        """
+        if self.evaluate is not None:
+            return set()
+        _, watched_frozen = self._frozen(leaves, layout, indices)
+        bound = min(self.frozen_tolerance, self.tolerance) * PROXY_SCALE
+        unchanged = set()
+        for index in watched_frozen:
+            tensor = leaves[index].tensor.detach()
+            reference = _usable_reference(tensor, references[index])
+            if reference is None:
+                continue
+            energy = float(tensor.double().square().sum())
+            distance = float((tensor.double() - reference.detach().to(tensor.device).double()).square().sum())
+            if distance <= bound * energy:
+                unchanged.add(index)
+        return unchanged
+
     def _plan_weights(
         self,
         leaves: Sequence[TensorLeaf],
@@ -360,6 +393,14 @@ class DynaQuant(Policy):
         if not indices:
             return None
         started = time.perf_counter()
+        # A weight the watched model does not train, still within the frozen budget of its
+        # reference, is stored as that reference: no sketch, no search, no bytes.
+        unchanged = self._unchanged(leaves, references, layout, indices)
+        for index in unchanged:
+            codecs[index] = UnchangedCodec()
+        indices = [i for i in indices if i not in unchanged]
+        if not indices:
+            return None
         keys = {i: format_key_path(leaves[i].path) for i in indices}
         # Sketching reads every element of every weight: the tensors are shared out between
         # threads (largest first); the dict keeps the leaf order the search depends on.

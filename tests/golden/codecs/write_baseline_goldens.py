@@ -26,6 +26,7 @@ from inshrinkerator.codecs import (
     ExponentBucketCodec,
     KMeansQuantizeCodec,
     ResidualCodec,
+    UnchangedCodec,
     UniformQuantizeCodec,
 )
 
@@ -67,6 +68,8 @@ def _cases() -> list[tuple[str, Codec, torch.Tensor, Optional[torch.Tensor]]]:
         ("cyclic_code_delta/float32", CyclicCodeDeltaCodec(), moved, base),
         ("residual/exponent_bucket_float32", ResidualCodec(ExponentBucketCodec(3)), moved, base),
         ("residual/kmeans_quantize_bfloat16", ResidualCodec(KMeansQuantizeCodec(4)), _update(bf16, 6, 1e-2), bf16),
+        ("unchanged/float32", UnchangedCodec(), _update(base, 7, 1e-5), base),
+        ("unchanged/bfloat16", UnchangedCodec(), bf16, bf16),
     ]
 
 
