@@ -586,3 +586,32 @@ def test_a_manager_averages_the_gradients_of_a_layer_unfrozen_after_watch(tmp_pa
         mgr.save(1, {"model": model.state_dict(), "optimizer": optimizer.state_dict()})
         _train_two_layers(model, optimizer, 10)
         assert watch.gradient_average(first) is not None
+
+
+def _codecs_and_bytes(path) -> dict[str, tuple[str, int]]:
+    from inshrinkerator.container import ContainerReader
+    from inshrinkerator.tree import tensor_paths
+
+    with ContainerReader(open(path, "rb"), str(path)) as reader:
+        paths = tensor_paths(reader.header.skeleton)
+        return {
+            format_key_path(paths[i]): (record.codec["id"], record.stored_bytes)
+            for i, record in enumerate(reader.header.tensors)
+        }
+
+
+def test_a_tensor_equal_to_its_reference_is_stored_as_it_exactly(tmp_path) -> None:
+    # A fine-tune's frozen layers saved against the pretrained base: no bytes, no error.
+    generator = torch.Generator().manual_seed(0)
+    base = {"frozen": torch.randn(256, 64, generator=generator), "tuned": torch.randn(256, 64, generator=generator)}
+    tuned = {"frozen": base["frozen"].clone(), "tuned": base["tuned"] + 1e-2 * torch.randn(256, 64, generator=generator)}
+    ink.save(tuned, tmp_path / "t.ink", policy="dynaquant", base=base)
+    stored = _codecs_and_bytes(tmp_path / "t.ink")
+    assert stored["frozen"] == ("unchanged", 0)
+    assert stored["tuned"][0] != "unchanged"
+    assert torch.equal(ink.load(tmp_path / "t.ink", base=base)["frozen"], base["frozen"])
+    # Equal values in other bits (a zero of the other sign) are not the reference.
+    plus, minus = base["frozen"].clone(), base["frozen"].clone()
+    plus[3, 3], minus[3, 3] = 0.0, -0.0
+    ink.save({"frozen": plus}, tmp_path / "z.ink", policy="dynaquant", base={"frozen": minus})
+    assert _codecs_and_bytes(tmp_path / "z.ink")["frozen"][0] != "unchanged"

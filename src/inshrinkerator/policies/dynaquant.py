@@ -143,6 +143,24 @@ def _usable_reference(tensor: torch.Tensor, reference: Optional[torch.Tensor]) -
     return reference
 
 
+def _equal_to_reference(
+    leaves: Sequence[TensorLeaf], references: Sequence[Optional[torch.Tensor]], eligible: list[bool]
+) -> list[int]:
+    """The eligible leaves whose bytes equal their reference's (one comparison pass each)."""
+    equal = []
+    for index, leaf in enumerate(leaves):
+        reference = _usable_reference(leaf.tensor, references[index]) if eligible[index] else None
+        if reference is not None and _same_bits(leaf.tensor.detach(), reference.detach().to(leaf.tensor.device)):
+            equal.append(index)
+    return equal
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # Bit patterns, not values: NaN payloads and the sign of zero must come back as they were.
+    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.contiguous().view(width), b.contiguous().view(width))
+
+
 @dataclass(frozen=True)
 class DynaQuant(Policy):
     """Dynamic non-uniform quantization with a quality-controlled search (the default policy).
@@ -263,6 +281,11 @@ class DynaQuant(Policy):
         eligible = [
             leaf.tensor.dtype.is_floating_point and leaf.tensor.numel() >= self.min_numel for leaf in leaves
         ]
+        # A tensor bit for bit equal to its reference (a fine-tune's frozen layer saved against
+        # its pretrained base) is stored as the reference: exact, and no bytes.
+        for index in _equal_to_reference(leaves, references, eligible):
+            codecs[index] = UnchangedCodec()
+            eligible[index] = False
         weights = self._plan_weights(leaves, references, layout, eligible, codecs)
         first_keep = self._first_moment_keep_at(_steps_since_reference(leaves, references))
         self._plan_moments(leaves, references, layout, eligible, codecs, first_keep)
