@@ -398,8 +398,10 @@ class DynaQuant(Policy):
             reference = _usable_reference(tensor, references[index])
             if reference is None:
                 continue
-            energy = float(tensor.double().square().sum())
-            distance = float((tensor.double() - reference.detach().to(tensor.device).double()).square().sum())
+            flat = tensor.float().reshape(-1)
+            difference = flat - reference.detach().to(tensor.device).float().reshape(-1)
+            # One temporary of the tensor's size (float64 copies would be two of twice it).
+            energy, distance = float(torch.dot(flat, flat)), float(torch.dot(difference, difference))
             if distance <= bound * energy:
                 unchanged.add(index)
         return unchanged
