@@ -50,6 +50,16 @@ def test_safetensors_round_trip_through_ink(capsys, tmp_path: Path, weights: Pat
         assert_same(original[name], back[name], name)
 
 
+def test_info_shows_a_tensor_stored_as_its_reference_without_a_ratio(capsys, tmp_path: Path) -> None:
+    base = {"frozen": torch.randn(128, 64), "tuned": torch.randn(128, 64)}
+    tuned = {"frozen": base["frozen"].clone(), "tuned": base["tuned"] + 0.01}
+    ink.save(tuned, tmp_path / "t.ink", policy="dynaquant", base=base)
+    code, out, _ = run(capsys, "info", str(tmp_path / "t.ink"))
+    assert code == 0
+    (row,) = [line for line in out.splitlines() if "frozen" in line]
+    assert "unchanged (delta)" in row and "inf" not in row and row.rstrip(" │|").endswith("-")
+
+
 def test_info_shows_per_tensor_sizes_and_ratio(capsys, tmp_path: Path, weights: Path) -> None:
     main(["compress", str(weights), str(tmp_path / "m.ink")])
     capsys.readouterr()

@@ -104,10 +104,11 @@ def _show_file_summary(summary: dict[str, Any]) -> None:
         table.add_column(column, justify="right" if column in ("raw", "stored", "ratio") else "left")
     for t in summary["tensors"]:
         codec = t["codec"] + (" (delta)" if t["delta"] else "")
-        ratio = t["raw_bytes"] / t["stored_bytes"] if t["stored_bytes"] else float("inf")
+        # No data bytes: the tensor is its reference (or empty); the header still describes it.
+        ratio = f"{t['raw_bytes'] / t['stored_bytes']:.2f}x" if t["stored_bytes"] else "-"
         table.add_row(
             t["key"], t["dtype"], str(t["shape"]), codec,
-            human_bytes(t["raw_bytes"]), human_bytes(t["stored_bytes"]), f"{ratio:.2f}x",
+            human_bytes(t["raw_bytes"]), human_bytes(t["stored_bytes"]), ratio,
         )
     table.add_section()
     table.add_row(
