@@ -21,7 +21,9 @@ import torch
 
 from ..errors import BrokenChainError, FormatError
 
-__all__ = ["Codec", "Encoded", "TensorSpec", "dtype_from_name", "dtype_name", "matching_reference", "Buffer"]
+__all__ = [
+    "Codec", "Encoded", "TensorSpec", "dtype_from_name", "dtype_name", "matching_reference", "same_bits", "Buffer",
+]
 
 Buffer = "bytes | bytearray | memoryview"
 
@@ -91,6 +93,18 @@ def matching_reference(spec: TensorSpec, reference: Optional[torch.Tensor], stor
             f"taken against {spec.dtype} {list(spec.shape)}"
         )
     return reference
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal dtype, shape and bytes: NaN payloads and the sign of zero count (compared on
+    ``a``'s device)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.numel() == 0:
+        return True
+    a_bytes = a.detach().contiguous().reshape(-1).view(torch.uint8)
+    b_bytes = b.detach().to(a.device).contiguous().reshape(-1).view(torch.uint8)
+    return torch.equal(a_bytes, b_bytes)
 
 
 @dataclass

@@ -55,6 +55,7 @@ from typing import Any, Optional
 import torch
 
 from ..codecs import Codec, ResidualCodec
+from ..codecs.base import same_bits
 from ..codecs._parallel import parallel_map
 from ..codecs.bucket_delta import EntropyStats
 from ..codecs.dynaquant import DynaQuantCodec, DynaQuantDeltaCodec
@@ -150,15 +151,9 @@ def _equal_to_reference(
     equal = []
     for index, leaf in enumerate(leaves):
         reference = _usable_reference(leaf.tensor, references[index]) if eligible[index] else None
-        if reference is not None and _same_bits(leaf.tensor.detach(), reference.detach().to(leaf.tensor.device)):
+        if reference is not None and same_bits(leaf.tensor, reference):
             equal.append(index)
     return equal
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    # Bit patterns, not values: NaN payloads and the sign of zero must come back as they were.
-    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    return torch.equal(a.contiguous().view(width), b.contiguous().view(width))
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from ..codecs.base import Codec
+from ..codecs.base import Codec, same_bits
 from ..policies import Lossless, Policy
 from ..serialize import write_state
 from ..tree import TensorLeaf
@@ -25,16 +25,6 @@ from .manifest import StepManifest
 from .storage import RunStorage
 
 __all__ = ["ExactRebasePolicy", "rebase_step"]
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    if a.numel() == 0:
-        return True
-    a_bytes = a.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-    b_bytes = b.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-    return torch.equal(a_bytes, b_bytes)
 
 
 class ExactRebasePolicy(Policy):
@@ -66,7 +56,7 @@ class ExactRebasePolicy(Policy):
                 # A lossy codec may be idempotent on its own output (a quantizer often is);
                 # keep it only when this encode reproduces the tensor exactly.
                 rebuilt = codec.encode(leaf.tensor).reconstruction
-                exact = rebuilt is not None and _same_bits(rebuilt, leaf.tensor)
+                exact = rebuilt is not None and same_bits(rebuilt, leaf.tensor)
                 codecs.append(codec if exact else safe)
         return codecs
 
