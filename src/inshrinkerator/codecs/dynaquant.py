@@ -55,7 +55,10 @@ from .registry import register_codec
 from .scratch import scratch
 from .varint import decode_varint, encode_varint
 
-__all__ = ["DynaQuantCodec", "DynaQuantDeltaCodec", "magnitude_thresholds", "predicted_ids", "reference_fingerprint"]
+__all__ = [
+    "DynaQuantCodec", "DynaQuantDeltaCodec", "check_reference_fingerprint", "magnitude_thresholds", "predicted_ids",
+    "reference_fingerprint",
+]
 
 _LAYOUT = struct.Struct("<BBHHHHI")
 _VERSION = 3
@@ -89,6 +92,15 @@ def _signed_keys(values: torch.Tensor) -> torch.Tensor:
     keys = scratch("keys", flat.numel(), torch.int32, flat.device)
     torch.bitwise_right_shift(flat.contiguous().view(torch.int32), 23 - MANTISSA_BITS, out=keys)
     return keys.bitwise_and_(SIGNED_KEYS - 1)
+
+
+def check_reference_fingerprint(codec_id: str, fingerprint: int, reference: torch.Tensor) -> None:
+    """Raise :class:`BrokenChainError` unless ``reference`` has the stored ``fingerprint``."""
+    if fingerprint != reference_fingerprint(reference):
+        raise BrokenChainError(
+            f"{codec_id}: the reference differs from the tensor this delta was taken against "
+            "(fingerprint mismatch): decode it against the same previous checkpoint"
+        )
 
 
 def predicted_ids(table: LevelTable, reference: torch.Tensor) -> torch.Tensor:
@@ -310,11 +322,8 @@ class DynaQuantCodec(PreparedEncoding, Codec):
             raise FormatError(f"{self.codec_id}: thresholds ({prune_below}, {protect_above}) are invalid")
         if (fingerprint != 0) != (reference is not None):
             raise FormatError(f"{self.codec_id}: stream and codec disagree on whether there is a reference")
-        if reference is not None and fingerprint != reference_fingerprint(reference):
-            raise BrokenChainError(
-                f"{self.codec_id}: the reference differs from the tensor this delta was taken "
-                "against (fingerprint mismatch): decode it against the same previous checkpoint"
-            )
+        if reference is not None:
+            check_reference_fingerprint(self.codec_id, fingerprint, reference)
         protected_dtype = torch.float16 if flags & _FP16_FLAG else torch.bfloat16
         values_end = values_start + 4 * count
         protected_end = values_end + protected_count * protected_dtype.itemsize

@@ -16,9 +16,9 @@ from typing import Any, Optional
 
 import torch
 
-from ..errors import BrokenChainError, CorruptCheckpointError, FormatError
+from ..errors import CorruptCheckpointError, FormatError
 from .base import Codec, Encoded, TensorSpec, matching_reference
-from .dynaquant import reference_fingerprint
+from .dynaquant import check_reference_fingerprint, reference_fingerprint
 from .registry import register_codec
 
 __all__ = ["UnchangedCodec"]
@@ -56,10 +56,6 @@ class UnchangedCodec(Codec):
         fingerprint = params.get("fingerprint") if isinstance(params, dict) else None
         if isinstance(fingerprint, bool) or not isinstance(fingerprint, int):
             raise FormatError(f"{self.codec_id}: params {str(params)[:80]!r} lack the reference's fingerprint")
-        if fingerprint != reference_fingerprint(reference):
-            raise BrokenChainError(
-                f"{self.codec_id}: the reference differs from the tensor this step was stored as "
-                "(fingerprint mismatch): decode it against the same previous checkpoint"
-            )
+        check_reference_fingerprint(self.codec_id, fingerprint, reference)
         # A copy: the caller owns what it loads, and the reference may be someone's base model.
         return reference.detach().to("cpu", copy=True)

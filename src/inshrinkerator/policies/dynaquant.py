@@ -371,8 +371,7 @@ class DynaQuant(Policy):
         self,
         leaves: Sequence[TensorLeaf],
         references: Sequence[Optional[torch.Tensor]],
-        layout: StateLayout,
-        indices: list[int],
+        watched_frozen: set[int],
     ) -> set[int]:
         """The weights to store as their reference: those the watched model does not train
         whose relative squared distance from the reference is within the frozen budget.
@@ -385,7 +384,6 @@ class DynaQuant(Policy):
         """
         if self.evaluate is not None:
             return set()
-        _, watched_frozen = self._frozen(leaves, layout, indices)
         bound = min(self.frozen_tolerance, self.tolerance) * PROXY_SCALE
         unchanged = set()
         for index in watched_frozen:
@@ -415,12 +413,16 @@ class DynaQuant(Policy):
         started = time.perf_counter()
         # A weight the watched model does not train, still within the frozen budget of its
         # reference, is stored as that reference: no sketch, no search, no bytes.
-        unchanged = self._unchanged(leaves, references, layout, indices)
+        # Weights without optimizer state are frozen (or the state is a bare model): their
+        # error is never trained away, so they get the tighter budget.
+        frozen, watched_frozen = self._frozen(leaves, layout, indices)
+        unchanged = self._unchanged(leaves, references, watched_frozen)
         for index in unchanged:
             codecs[index] = UnchangedCodec()
         indices = [i for i in indices if i not in unchanged]
         if not indices:
             return None
+        frozen = [i for i in frozen if i not in unchanged]
         keys = {i: format_key_path(leaves[i].path) for i in indices}
         # Sketching reads every element of every weight: the tensors are shared out between
         # threads (largest first); the dict keeps the leaf order the search depends on.
@@ -435,9 +437,6 @@ class DynaQuant(Policy):
             # measured on the last one (a guess before the first). Full checkpoints get the
             # same room, so the next delta's search starts from a point that still fits.
             inflation = self._memory.inflation or 1.0 + 1.3 * self.stickiness
-        # Weights without optimizer state are frozen (or the state is a bare model): their
-        # error is never trained away, so they get the tighter budget.
-        frozen, watched_frozen = self._frozen(leaves, layout, indices)
         scales = {i: min(self.frozen_tolerance / self.tolerance, 1.0) for i in frozen}
         # A weight the watched model does not train has not moved: what separates it from
         # its reference is the reference's own error, which the frozen budget bounded when
