@@ -52,7 +52,7 @@ from inshrinkerator.tree import TensorLeaf
 _CLASS_ROLES = {
     "weights": (TensorRole.WEIGHT,),
     "first": (TensorRole.FIRST_MOMENT, TensorRole.MOMENTUM_BUFFER),
-    "second": (TensorRole.SECOND_MOMENT,),
+    "second": (TensorRole.SECOND_MOMENT, TensorRole.ACCUMULATOR),
     "weights_full": (TensorRole.WEIGHT,),  # weights, at checkpoints with no reference only
 }
 

@@ -615,3 +615,73 @@ def test_a_tensor_equal_to_its_reference_is_stored_as_it_exactly(tmp_path) -> No
     plus[3, 3], minus[3, 3] = 0.0, -0.0
     ink.save({"frozen": plus}, tmp_path / "z.ink", policy="dynaquant", base={"frozen": minus})
     assert _codecs_and_bytes(tmp_path / "z.ink")["frozen"][0] != "unchanged"
+
+
+#: torch.optim optimizers beside Adam and SGD, with the statistics DynaQuant codes in the
+#: log domain (non-negative) and those it codes as signed first-order state.
+_OTHER_OPTIMIZERS = {
+    "rmsprop": (lambda p: torch.optim.RMSprop(p, lr=1e-3), {"square_avg"}, set()),
+    "rmsprop-momentum": (lambda p: torch.optim.RMSprop(p, lr=1e-3, momentum=0.9), {"square_avg"}, {"momentum_buffer"}),
+    "adagrad": (lambda p: torch.optim.Adagrad(p, lr=0.02), {"sum"}, set()),
+    "amsgrad": (lambda p: torch.optim.AdamW(p, lr=1e-3, amsgrad=True), {"exp_avg_sq", "max_exp_avg_sq"}, {"exp_avg"}),
+    "adamax": (lambda p: torch.optim.Adamax(p, lr=2e-3), {"exp_inf"}, {"exp_avg"}),
+    "adadelta": (lambda p: torch.optim.Adadelta(p), {"square_avg", "acc_delta"}, set()),
+}
+
+
+def _resume_loss(model_state: dict, optimizer_state: dict, make, steps: int = 8) -> float:
+    model = _model()
+    model.load_state_dict(model_state)
+    optimizer = make(model.parameters())
+    optimizer.load_state_dict(optimizer_state)
+    _train(model, optimizer, steps, start=100)
+    generator = torch.Generator().manual_seed(999)
+    x, y = torch.randn(64, 1, 8, 8, generator=generator), torch.randint(0, 10, (64,), generator=generator)
+    with torch.no_grad():
+        return float(torch.nn.functional.cross_entropy(model(x), y))
+
+
+@pytest.mark.parametrize("name", sorted(_OTHER_OPTIMIZERS))
+def test_the_statistics_of_other_torch_optimizers_are_quantized_and_training_resumes(tmp_path, name) -> None:
+    make, positive, signed = _OTHER_OPTIMIZERS[name]
+    model = _model()
+    optimizer = make(model.parameters())
+    _train(model, optimizer, 12)
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    exact = ink.save(state, tmp_path / "exact.ink", policy="lossless")
+    info = ink.save(state, tmp_path / "dq.ink", policy="dynaquant")
+    loaded = ink.load(tmp_path / "dq.ink")
+    entry, restored = state["optimizer"]["state"][2], loaded["optimizer"]["state"][2]  # the (32, 512) weight's
+    assert set(entry) == positive | signed | {"step"}
+    assert_same(restored["step"], entry["step"])
+    for key in positive | signed:
+        assert not torch.equal(restored[key], entry[key]), f"{key} was stored exactly"
+    for key in positive:
+        value, got = entry[key], restored[key]
+        assert torch.all(got >= 0) and torch.equal(got == 0, value == 0), key
+        # Log-domain levels (8 over ~10 decades): nearly every entry within a factor of 4;
+        # the largest 0.5 % (the most active parameters) kept in bf16.
+        octaves = (got[value > 0] / value[value > 0]).log2().abs()
+        assert float((octaves < 2).float().mean()) > 0.98, key
+        top = torch.topk(value.reshape(-1), value.numel() // 400).indices  # inside the 0.5 %
+        assert torch.allclose(got.reshape(-1)[top], value.reshape(-1)[top], rtol=2**-8, atol=0), key
+    # Nothing large is left whole: every class is a fraction of its float32 bytes.
+    assert info.stored_bytes * 4 < exact.stored_bytes
+    # Training resumes from the restored state as it does from the exact one.
+    resumed = _resume_loss(loaded["model"], loaded["optimizer"], make)
+    reference = _resume_loss(state["model"], state["optimizer"], make)
+    assert abs(resumed - reference) < 0.05 * reference
+
+
+def test_centered_rmsprop_keeps_its_square_average_exact(tmp_path) -> None:
+    model = _model()
+    optimizer = torch.optim.RMSprop(model.parameters(), lr=1e-3, momentum=0.9, centered=True)
+    _train(model, optimizer, 12)
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    ink.save(state, tmp_path / "dq.ink", policy="dynaquant")
+    entry, restored = state["optimizer"]["state"][2], ink.load(tmp_path / "dq.ink")["optimizer"]["state"][2]
+    assert_same(restored["square_avg"], entry["square_avg"])
+    assert_same(restored["grad_avg"], entry["grad_avg"])
+    assert not torch.equal(restored["momentum_buffer"], entry["momentum_buffer"])  # a step: rounded
+    denominator = restored["square_avg"] - restored["grad_avg"] ** 2
+    assert torch.equal(denominator, entry["square_avg"] - entry["grad_avg"] ** 2)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from inshrinkerator.policies.state_layout import TensorRole, layout_of
@@ -89,13 +90,61 @@ def test_parameters_without_state_leave_gaps() -> None:
     assert paired["optimizer/state/3/exp_avg"] == "model/1.bias"
 
 
-def test_amsgrad_and_step_stay_other_and_string_ids_work() -> None:
+def test_amsgrad_maximum_is_an_accumulator_step_stays_other_and_string_ids_work() -> None:
     state = adam_state(torch.nn.Linear(3, 2), amsgrad=True)
     state["optimizer"]["state"] = {str(k): v for k, v in state["optimizer"]["state"].items()}
     roles, paired, _, _ = describe(state)
-    assert roles["optimizer/state/0/max_exp_avg_sq"] is R.OTHER
+    assert roles["optimizer/state/0/max_exp_avg_sq"] is R.ACCUMULATOR
     assert roles["optimizer/state/0/step"] is R.OTHER
     assert paired["optimizer/state/0/exp_avg"] == "model/weight"
+    assert paired["optimizer/state/0/max_exp_avg_sq"] == "model/weight"
+
+
+def optimizer_state(model: torch.nn.Module, make) -> dict:
+    optimizer = make(model.parameters())
+    model(torch.randn(2, model.in_features)).sum().backward()
+    optimizer.step()
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+
+
+@pytest.mark.parametrize(
+    "make, expected",
+    [
+        (lambda p: torch.optim.RMSprop(p), {"square_avg": R.SECOND_MOMENT}),
+        (lambda p: torch.optim.RMSprop(p, momentum=0.9), {"square_avg": R.SECOND_MOMENT, "momentum_buffer": R.MOMENTUM_BUFFER}),
+        (lambda p: torch.optim.Adagrad(p), {"sum": R.SECOND_MOMENT}),
+        (lambda p: torch.optim.Adamax(p), {"exp_avg": R.FIRST_MOMENT, "exp_inf": R.ACCUMULATOR}),
+        (lambda p: torch.optim.Adadelta(p), {"square_avg": R.SECOND_MOMENT, "acc_delta": R.ACCUMULATOR}),
+        (lambda p: torch.optim.NAdam(p), {"exp_avg": R.FIRST_MOMENT, "exp_avg_sq": R.SECOND_MOMENT, "mu_product": R.OTHER}),
+        (lambda p: torch.optim.RAdam(p), {"exp_avg": R.FIRST_MOMENT, "exp_avg_sq": R.SECOND_MOMENT}),
+        (lambda p: torch.optim.Rprop(p), {"prev": R.OTHER, "step_size": R.OTHER}),
+        (lambda p: torch.optim.ASGD(p), {"ax": R.OTHER, "eta": R.OTHER}),
+    ],
+    ids=["rmsprop", "rmsprop-momentum", "adagrad", "adamax", "adadelta", "nadam", "radam", "rprop", "asgd"],
+)
+def test_torch_optimizers_statistics_get_their_roles_and_pair(make, expected) -> None:
+    roles, paired, layout, keys = describe(optimizer_state(torch.nn.Linear(3, 2), make))
+    for name, role in {**expected, "step": R.OTHER}.items():
+        key = f"optimizer/state/0/{name}"
+        assert roles[key] is role, key
+        assert paired[key] == ("model/weight" if role is not R.OTHER else None), key
+    roles_of_weight = set(layout.optimizer_state_of(keys.index("model/weight")))
+    assert roles_of_weight == {role for role in expected.values() if role is not R.OTHER}
+
+
+def test_centered_rmsprop_keeps_its_square_average_exact() -> None:
+    """``sqrt(square_avg - grad_avg**2)``: rounded independently it could go negative."""
+    state = optimizer_state(torch.nn.Linear(3, 2), lambda p: torch.optim.RMSprop(p, momentum=0.9, centered=True))
+    roles, paired, _, _ = describe(state)
+    assert roles["optimizer/state/0/square_avg"] is R.OTHER
+    assert roles["optimizer/state/0/grad_avg"] is R.OTHER
+    assert roles["optimizer/state/0/momentum_buffer"] is R.MOMENTUM_BUFFER  # a step: free to round
+    assert paired["optimizer/state/0/momentum_buffer"] == "model/weight"
+    # An uncentered RMSprop elsewhere in the same state keeps its own role.
+    other = optimizer_state(torch.nn.Linear(5, 4), lambda p: torch.optim.RMSprop(p))
+    roles, _, _, _ = describe({"a": state, "b": other})
+    assert roles["a/optimizer/state/0/square_avg"] is R.OTHER
+    assert roles["b/optimizer/state/0/square_avg"] is R.SECOND_MOMENT
 
 
 def test_shape_mismatch_leaves_entries_unpaired() -> None:

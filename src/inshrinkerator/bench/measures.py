@@ -35,6 +35,7 @@ _ROLE_CLASS = {
     TensorRole.FIRST_MOMENT: "first_moment",
     TensorRole.MOMENTUM_BUFFER: "first_moment",
     TensorRole.SECOND_MOMENT: "second_moment",
+    TensorRole.ACCUMULATOR: "second_moment",
     TensorRole.OTHER: "other",
 }
 

@@ -24,7 +24,7 @@ Per checkpoint:
    checkpoint); one that misses its budget at every grid point is stored as its
    quantized change since the reference (``ResidualCodec``) when it moved, else
    losslessly.
-2. **First moments** (Adam ``exp_avg``, SGD ``momentum_buffer``): the symmetric levels
+2. **First moments** (Adam ``exp_avg``, SGD and RMSprop ``momentum_buffer``): the symmetric levels
    ``0, +-c_1, ..., +-c_k`` (``k = moment_bins // 2``, ``momentum_bins // 2`` for SGD), so no entry changes sign or more
    than doubles, coded without a reference (moments decorrelate between saves). Pruning in
    ExCP's spirit: at a checkpoint at least ``first_moment_keep_after`` optimizer steps
@@ -34,7 +34,10 @@ Per checkpoint:
    checkpoints are 30-40 steps apart and 4% accuracy on the MiniLM fine-tune, which
    checkpoints every 10 steps (docs/dynaquant.md). ``momentum_keep`` prunes an SGD
    momentum buffer by magnitude (off by default).
-3. **Second moments** (``exp_avg_sq``): ``second_moment_bins`` positive levels fitted in
+3. **Second moments** (Adam's ``exp_avg_sq``; RMSprop's and Adadelta's ``square_avg``,
+   Adagrad's ``sum``) and the optimizers' other non-negative statistics (AMSGrad's
+   ``max_exp_avg_sq``, Adamax's ``exp_inf``, Adadelta's ``acc_delta``; see
+   :mod:`.state_layout`): ``second_moment_bins`` positive levels fitted in
    the log2 domain (exact zeros stay zero; the largest 0.5% kept in bf16: they are the
    most active parameters, whose restored steps must not grow), delta-coded like the
    weights; or, with
@@ -80,6 +83,8 @@ __all__ = ["DynaQuant", "PROXY_SCALE", "SearchRecord"]
 PROXY_SCALE = 1.0
 
 _FIRST_ORDER = (TensorRole.FIRST_MOMENT, TensorRole.MOMENTUM_BUFFER)
+#: Non-negative optimizer statistics, coded in the log domain.
+_POSITIVE = (TensorRole.SECOND_MOMENT, TensorRole.ACCUMULATOR)
 #: A moving weight's stored error may be at most this share of its squared change since
 #: the reference (the previous checkpoint's reconstruction).
 MOVEMENT_SHARE = 0.1
@@ -582,7 +587,7 @@ class DynaQuant(Policy):
         # largest first; codecs and warm-start bookkeeping are assigned in leaf order.
         items = [
             (index, role) for index, role in enumerate(layout.roles)
-            if eligible[index] and role in (*_FIRST_ORDER, TensorRole.SECOND_MOMENT)
+            if eligible[index] and role in (*_FIRST_ORDER, *_POSITIVE)
         ]
         items.sort(key=lambda item: -leaves[item[0]].tensor.numel())
         planned = parallel_map(lambda item: self._plan_moment(leaves, references, layout, *item, first_keep), items)

@@ -6,11 +6,18 @@ paths:
 
 - An *optimizer state entry* is a tensor at ``<root>/state/<id>/<name>`` (a
   ``torch.optim`` ``state_dict()`` anywhere in the state, ``<id>`` an int or a
-  digit string): ``exp_avg`` is a :attr:`TensorRole.FIRST_MOMENT`,
-  ``exp_avg_sq`` a :attr:`TensorRole.SECOND_MOMENT`, ``momentum_buffer`` a
-  :attr:`TensorRole.MOMENTUM_BUFFER`; ``step``, ``max_exp_avg_sq`` (AMSGrad) and
-  any other name are :attr:`TensorRole.OTHER`. Everything under such a ``<root>``
-  belongs to the optimizer.
+  digit string). Its role comes from its name (:data:`OPTIMIZER_ENTRY_ROLES`):
+  a signed average of gradients (Adam's ``exp_avg``) is a
+  :attr:`TensorRole.FIRST_MOMENT`; an average or sum of squared gradients
+  (Adam's ``exp_avg_sq``, RMSprop's and Adadelta's ``square_avg``, Adagrad's
+  ``sum``) a :attr:`TensorRole.SECOND_MOMENT`; a momentum buffer (SGD, RMSprop)
+  a :attr:`TensorRole.MOMENTUM_BUFFER`; another non-negative running statistic
+  (AMSGrad's ``max_exp_avg_sq``, Adamax's ``exp_inf``, Adadelta's ``acc_delta``)
+  an :attr:`TensorRole.ACCUMULATOR`. ``step`` and any other name are
+  :attr:`TensorRole.OTHER`, and so are the statistics :data:`EXACT_WITH` names for an
+  entry that holds its key (centered RMSprop takes ``sqrt(square_avg - grad_avg**2)``:
+  rounded independently, it could go negative).
+  Everything under such a ``<root>`` belongs to the optimizer.
 - A :attr:`TensorRole.WEIGHT` is any other floating tensor, except the module
   buffers ``running_mean``, ``running_var`` and ``num_batches_tracked`` (the last
   part of a dotted ``state_dict`` key; OTHER).
@@ -41,6 +48,7 @@ from ..tree import KeyPath, TensorLeaf
 
 __all__ = [
     "TensorRole", "StateLayout", "layout_of", "optimizer_entry_name", "MODULE_BUFFER_NAMES", "OPTIMIZER_ENTRY_ROLES",
+    "EXACT_WITH",
 ]
 
 
@@ -51,15 +59,25 @@ class TensorRole(enum.Enum):
     FIRST_MOMENT = "first_moment"
     SECOND_MOMENT = "second_moment"
     MOMENTUM_BUFFER = "momentum_buffer"
+    ACCUMULATOR = "accumulator"
     OTHER = "other"
 
 
-#: Optimizer state names with a role of their own; every other name is OTHER.
+#: Optimizer state names with a role of their own (``torch.optim``'s); every other name is OTHER.
 OPTIMIZER_ENTRY_ROLES: dict[str, TensorRole] = {
-    "exp_avg": TensorRole.FIRST_MOMENT,
-    "exp_avg_sq": TensorRole.SECOND_MOMENT,
-    "momentum_buffer": TensorRole.MOMENTUM_BUFFER,
+    "exp_avg": TensorRole.FIRST_MOMENT,  # Adam, AdamW, NAdam, RAdam, Adamax
+    "exp_avg_sq": TensorRole.SECOND_MOMENT,  # Adam, AdamW, NAdam, RAdam
+    "square_avg": TensorRole.SECOND_MOMENT,  # RMSprop, Adadelta
+    "sum": TensorRole.SECOND_MOMENT,  # Adagrad
+    "momentum_buffer": TensorRole.MOMENTUM_BUFFER,  # SGD, RMSprop
+    "max_exp_avg_sq": TensorRole.ACCUMULATOR,  # AMSGrad
+    "exp_inf": TensorRole.ACCUMULATOR,  # Adamax
+    "acc_delta": TensorRole.ACCUMULATOR,  # Adadelta
 }
+
+#: Entry name -> the statistics of the same entry kept exact (OTHER) beside it: the optimizer
+#: combines them in a way independent rounding could break (centered RMSprop).
+EXACT_WITH: dict[str, frozenset[str]] = {"grad_avg": frozenset({"square_avg"})}
 
 #: Module buffers that are model state but not parameters (never paired, role OTHER).
 MODULE_BUFFER_NAMES = frozenset({"running_mean", "running_var", "num_batches_tracked"})
@@ -119,9 +137,9 @@ def optimizer_entry_name(path: KeyPath) -> Optional[str]:
     return entry[2] if entry is not None else None
 
 
-def _role_of_entry(name: str, tensor: torch.Tensor) -> TensorRole:
+def _role_of_entry(name: str, tensor: torch.Tensor, exact: bool) -> TensorRole:
     role = OPTIMIZER_ENTRY_ROLES.get(name, TensorRole.OTHER)
-    return role if tensor.dtype.is_floating_point else TensorRole.OTHER
+    return role if tensor.dtype.is_floating_point and not exact else TensorRole.OTHER
 
 
 def _match_in_order(
@@ -151,20 +169,25 @@ def layout_of(leaves: Sequence[TensorLeaf]) -> StateLayout:
     """Classify every leaf of a flattened state and pair optimizer entries with weights."""
     roles: list[TensorRole] = []
     roots: dict[KeyPath, dict[int, dict[TensorRole, int]]] = {}
+    entries = [_optimizer_entry(leaf.path) for leaf in leaves]
+    exact: dict[tuple[KeyPath, int], frozenset[str]] = {}
+    for entry in entries:
+        if entry is not None and entry[2] in EXACT_WITH:
+            exact[entry[:2]] = exact.get(entry[:2], frozenset()) | EXACT_WITH[entry[2]]
     for index, leaf in enumerate(leaves):
-        entry = _optimizer_entry(leaf.path)
+        entry = entries[index]
         if entry is None:
             roles.append(TensorRole.OTHER)  # settled below, once every optimizer root is known
             continue
         root, identifier, name = entry
-        role = _role_of_entry(name, leaf.tensor)
+        role = _role_of_entry(name, leaf.tensor, name in exact.get((root, identifier), ()))
         roles.append(role)
         per_id = roots.setdefault(root, {})
         if role in _MOMENT_ROLES:
             per_id.setdefault(identifier, {})[role] = index
     for index, leaf in enumerate(leaves):
         path = leaf.path
-        if _optimizer_entry(path) is not None or any(path[: len(root)] == root for root in roots):
+        if entries[index] is not None or any(path[: len(root)] == root for root in roots):
             continue
         # state_dict keys are dotted module paths: "1.running_mean" is a BatchNorm buffer.
         name = str(path[-1]).rsplit(".", 1)[-1] if path else ""
