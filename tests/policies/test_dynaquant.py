@@ -419,6 +419,40 @@ def test_a_weight_that_moved_less_than_its_levels_can_hold_is_stored_as_its_quan
     assert error <= 0.1 * moved
 
 
+def _residual_coding(grid: tuple[int, ...]) -> tuple[dict, float, int]:
+    """(levels used, error / squared movement, bytes) of model/3.weight coded as its change
+    since a reference 1e-3 of its spread away, under ``residual_bins=grid``."""
+    _, (state,) = _states(1)
+    flat = flatten(state)
+    keys = [format_key_path(leaf.path) for leaf in flat.tensors]
+    weight = flat.tensors[keys.index("model/3.weight")].tensor
+    reference = weight + 1e-3 * weight.std() * torch.randn(weight.shape, generator=torch.Generator().manual_seed(3))
+    references = [reference if key == "model/3.weight" else None for key in keys]
+    policy = DynaQuant(residual_bins=grid)
+    codec = dict(zip(keys, policy.plan(flat.tensors, references)))["model/3.weight"]
+    encoded = codec.encode(weight, reference)
+    error = float((encoded.reconstruction - weight).pow(2).sum()) / float((weight - reference).pow(2).sum())
+    return policy.search_log[-1].config["residual_tensors_by_bins"], error, sum(len(s) for s in encoded.streams)
+
+
+def test_a_stored_change_takes_the_fewest_levels_that_keep_it_within_the_movement_budget() -> None:
+    # 16 fixed levels leave a Gaussian change ~1 % of its energy as error, 10x inside the
+    # budget (0.1 of it); the search goes to fewer levels and stops before crossing it.
+    fixed, fixed_error, fixed_bytes = _residual_coding((16,))
+    assert fixed == {16: 1} and fixed_error < 0.03
+    levels, error, size = _residual_coding((16, 12, 8, 6, 4))
+    (chosen,) = levels
+    assert chosen < 16 and fixed_error < error <= 0.1
+    assert size < 0.8 * fixed_bytes
+    # The next coarser grid entry would have crossed it.
+    grid = (16, 12, 8, 6, 4)
+    _, coarser_error, _ = _residual_coding((grid[grid.index(chosen) + 1],))
+    assert coarser_error > 0.1
+    # When even the first grid entry misses the budget, the change is stored with it.
+    first, first_error, _ = _residual_coding((4, 2))
+    assert first == {4: 1} and first_error > 0.1
+
+
 def _train_two_layers(model: torch.nn.Module, optimizer: torch.optim.Optimizer, start: int) -> None:
     for step in range(start, start + 3):
         x = torch.randn(32, 64, generator=torch.Generator().manual_seed(step))
