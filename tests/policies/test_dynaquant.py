@@ -719,3 +719,29 @@ def test_centered_rmsprop_keeps_its_square_average_exact(tmp_path) -> None:
     assert not torch.equal(restored["momentum_buffer"], entry["momentum_buffer"])  # a step: rounded
     denominator = restored["square_avg"] - restored["grad_avg"] ** 2
     assert torch.equal(denominator, entry["square_avg"] - entry["grad_avg"] ** 2)
+
+
+@pytest.mark.parametrize("name", ["adagrad", "amsgrad"])
+def test_other_optimizers_statistics_are_delta_coded_along_a_chain(tmp_path, name) -> None:
+    make, positive, _ = _OTHER_OPTIMIZERS[name]
+    model = _model()
+    optimizer = make(model.parameters())
+    states = []
+    with ink.CheckpointManager(tmp_path / "run") as manager:
+        manager.watch(model)
+        for step in range(3):
+            _train(model, optimizer, 5, start=5 * step)
+            state = copy.deepcopy({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+            states.append(state)
+            manager.save(step, state)
+        restored = manager.load(2)
+    (last,) = (tmp_path / "run").glob("step-0000000002-*.ink")
+    stored = _codecs_and_bytes(last)
+    for key in positive:
+        assert stored[f"optimizer/state/2/{key}"][0] == "dynaquant_delta", key
+        value, got = states[2]["optimizer"]["state"][2][key], restored["optimizer"]["state"][2][key]
+        assert not torch.equal(got, value)
+        assert torch.all(got >= 0) and torch.equal(got == 0, value == 0)
+        octaves = (got[value > 0] / value[value > 0]).log2().abs()
+        assert float((octaves < 2).float().mean()) > 0.98, key
+    assert_same(restored["optimizer"]["state"][2]["step"], states[2]["optimizer"]["state"][2]["step"])
