@@ -25,7 +25,11 @@ Choices where the paper leaves a detail open:
 - Weights with no paired ``exp_avg_sq`` (SGD, or pairing failed): the pruning
   threshold is defined by the second moment, so their residual is not pruned
   (only quantized). Moments with no paired weight use the momentum condition alone.
-- ``step`` counters, ``max_exp_avg_sq`` (AMSGrad), ``param_groups``, BatchNorm
+- Other optimizers: their squared-gradient averages (RMSprop's and Adadelta's
+  ``square_avg``, Adagrad's ``sum``: second moments in ``state_layout``) take the place of
+  ``exp_avg_sq``; without a first moment in their entry they are quantized, not pruned.
+- ``step`` counters, ``max_exp_avg_sq`` (AMSGrad) and the other accumulators (Adamax's
+  ``exp_inf``, Adadelta's ``acc_delta``), ``param_groups``, BatchNorm
   statistics, tensors with fewer than ``min_numel`` values, and everything that
   is not a finite float tensor are stored exactly. (ExCP's own reconstruction
   copied step counters from the previous checkpoint; ours keeps the current ones.)
