@@ -44,29 +44,41 @@ def kmeans_plus_plus_1d(
     points: torch.Tensor, weights: torch.Tensor, k: int, generator: torch.Generator
 ) -> torch.Tensor:
     """``k`` seeds drawn by weighted k-means++ (the first ∝ weight, then ∝ weight·distance²)."""
-    first = _draw(torch.cumsum(weights, 0), generator)
+    dtype = torch.result_type(points, weights)  # every draw and buffer in one dtype
+    points, weights = points.to(dtype), weights.to(dtype)
+    cumulative = torch.cumsum(weights, 0)
+    # All the uniform numbers at once: the generator yields the same ones as k single draws.
+    uniforms = torch.rand(k, generator=generator, dtype=cumulative.dtype, device=cumulative.device)
+    first = _draw(cumulative, uniforms[0:1])
     if first is None:
         raise ValueError("weighted k-means++ needs a point with positive weight")
     chosen = [first]
-    distance = (points - points[first]) ** 2
-    for _ in range(1, k):
-        index = _draw(torch.cumsum(weights * distance, 0), generator)
+    # Buffers reused across draws: a seeding makes up to k of them over a few thousand
+    # points, where allocating small tensors costs as much as the arithmetic.
+    distance = torch.sub(points, points[first]).square_()
+    nearer = torch.empty_like(distance)
+    scores = torch.empty_like(distance)
+    cumulative = torch.empty_like(distance)
+    for draw in range(1, k):
+        torch.cumsum(torch.mul(weights, distance, out=scores), 0, out=cumulative)
+        index = _draw(cumulative, uniforms[draw : draw + 1])
         if index is None:
             break  # every point already coincides with a seed
         chosen.append(index)
-        distance = torch.minimum(distance, (points - points[index]) ** 2)
+        torch.minimum(distance, torch.sub(points, points[index], out=nearer).square_(), out=distance)
     return torch.sort(points[chosen]).values
 
 
-def _draw(cumulative: torch.Tensor, generator: torch.Generator) -> Optional[int]:
+def _draw(cumulative: torch.Tensor, uniform: torch.Tensor) -> Optional[int]:
     """One index drawn in proportion to the increments of ``cumulative`` (a running sum of
-    finite non-negative scores); None when they are all 0.
+    finite non-negative scores) by the ``uniform`` number (a 1-element tensor in [0, 1));
+    None when they are all 0.
 
     Inverse-CDF sampling: one uniform number and one binary search per draw, where an
     exponential race (``torch.multinomial``) draws a random number per point, which made
     most of the cost of a k-means++ seeding. One host sync per draw.
     """
-    target = torch.rand(1, generator=generator, dtype=cumulative.dtype, device=cumulative.device) * cumulative[-1:]
+    target = uniform * cumulative[-1:]
     index = int(torch.searchsorted(cumulative, target, right=True))
     if index < cumulative.numel():
         return index
@@ -127,37 +139,48 @@ def weighted_kmeans_1d(
     # runs hundreds of times per save, on a few thousand points, where allocating and
     # concatenating small tensors costs as much as the arithmetic.
     prefix = torch.nn.functional.pad(torch.cumsum(torch.stack([weights, weights * points]), 1), (1, 0))
-    bounds = torch.empty(centroids.numel() + 1, dtype=torch.long, device=points.device)
-    bounds[0], bounds[-1] = 0, points.numel()
-    cuts = bounds[1:-1]
-    previous = torch.empty_like(bounds)
-    boundaries = torch.empty(centroids.numel() - 1, dtype=points.dtype, device=points.device)
+    count = centroids.numel()
+    # Two cut buffers in turn (this iteration's and the last one's), compared without a copy;
+    # each with a view of its inner entries, the cuts proper.
+    bounds, previous = (torch.empty(count + 1, dtype=torch.long, device=points.device) for _ in range(2))
+    for buffer in (bounds, previous):
+        buffer[0], buffer[-1] = 0, points.numel()
+    cuts, previous_cuts = bounds[1:-1], previous[1:-1]
+    boundaries = torch.empty(count - 1, dtype=points.dtype, device=points.device)
+    # The centroids live in one buffer (sorted in place), so the views _cut reads stay valid.
+    centroids = centroids.clone()
+    order = torch.empty(count, dtype=torch.long, device=points.device)
+    lower, upper = centroids[:-1], centroids[1:]
     converged = False
     for iteration in range(iterations):
-        _cut(points, centroids, boundaries, cuts)
+        _cut(points, lower, upper, boundaries, cuts)
         if iteration and torch.equal(bounds, previous):
             converged = True
             break
-        previous.copy_(bounds)
-        mass, moment = torch.diff(prefix.index_select(1, bounds), dim=1)
+        mass, moment = torch.diff(prefix.index_select(1, bounds), dim=1).unbind(0)
         # An empty cluster keeps its position; the final cleanup drops it.
-        centroids = torch.sort(torch.where(mass > 0, moment / mass.clamp_min(1e-300), centroids)).values
+        occupied = mass > 0
+        torch.where(occupied, moment.div_(mass.clamp_min_(1e-300)), centroids, out=centroids)
+        torch.sort(centroids, out=(centroids, order))
+        bounds, previous, cuts, previous_cuts = previous, bounds, previous_cuts, cuts
     # The clusters that hold a point (what nearest_level would assign), from the cuts: a
     # search per boundary instead of one per point (bucketize over thousands of points
     # starts a thread team per call, which costs milliseconds on a busy machine). After
     # convergence the last cuts are those of the final centroids.
     if not converged:
-        _cut(points, centroids, boundaries, cuts)
+        _cut(points, lower, upper, boundaries, cuts)
     used = torch.nonzero(torch.diff(bounds) > 0).reshape(-1)
     # Means of clusters of tiny values (e.g. 1e-114 and 1e-213) can round to the same value.
     return torch.unique(centroids[used])
 
 
-def _cut(points: torch.Tensor, centroids: torch.Tensor, boundaries: torch.Tensor, cuts: torch.Tensor) -> None:
-    """Where the decision boundaries of the sorted ``centroids`` cut the sorted ``points``,
-    into ``cuts`` (``boundaries`` is scratch). Ties go to the lower centroid, as in
-    :func:`nearest_level`."""
-    torch.add(centroids[1:], centroids[:-1], out=boundaries).mul_(0.5)
+def _cut(
+    points: torch.Tensor, lower: torch.Tensor, upper: torch.Tensor, boundaries: torch.Tensor, cuts: torch.Tensor
+) -> None:
+    """Where the decision boundaries of sorted centroids (``lower``: all but the last,
+    ``upper``: all but the first) cut the sorted ``points``, into ``cuts`` (``boundaries``
+    is scratch). Ties go to the lower centroid, as in :func:`nearest_level`."""
+    torch.add(upper, lower, out=boundaries).mul_(0.5)
     torch.searchsorted(points, boundaries, right=True, out=cuts)
 
 
