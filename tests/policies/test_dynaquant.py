@@ -745,3 +745,18 @@ def test_other_optimizers_statistics_are_delta_coded_along_a_chain(tmp_path, nam
         octaves = (got[value > 0] / value[value > 0]).log2().abs()
         assert float((octaves < 2).float().mean()) > 0.98, key
     assert_same(restored["optimizer"]["state"][2]["step"], states[2]["optimizer"]["state"][2]["step"])
+
+
+def test_a_statistic_named_non_negative_that_is_not_stays_exact(tmp_path) -> None:
+    # Another optimizer may keep a signed tensor under Adagrad's entry name "sum".
+    generator = torch.Generator().manual_seed(0)
+    signed, positive = torch.randn(64, 64, generator=generator), torch.rand(64, 64, generator=generator)
+    state = {
+        "model": {"a.weight": torch.randn(64, 64, generator=generator), "b.weight": torch.randn(64, 64, generator=generator)},
+        "optimizer": {"state": {0: {"sum": signed}, 1: {"sum": positive}}, "param_groups": []},
+    }
+    ink.save(state, tmp_path / "s.ink", policy="dynaquant")
+    loaded = ink.load(tmp_path / "s.ink")["optimizer"]["state"]
+    assert_same(loaded[0]["sum"], signed)
+    assert not torch.equal(loaded[1]["sum"], positive)  # a real accumulator is coded
+    assert torch.all(loaded[1]["sum"] >= 0)

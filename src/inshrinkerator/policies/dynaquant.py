@@ -37,7 +37,8 @@ Per checkpoint:
 3. **Second moments** (Adam's ``exp_avg_sq``; RMSprop's and Adadelta's ``square_avg``,
    Adagrad's ``sum``) and the optimizers' other non-negative statistics (AMSGrad's
    ``max_exp_avg_sq``, Adamax's ``exp_inf``, Adadelta's ``acc_delta``; see
-   :mod:`.state_layout`): ``second_moment_bins`` positive levels fitted in
+   :mod:`.state_layout`; one holding a negative value is not what its name says and
+   stays exact): ``second_moment_bins`` positive levels fitted in
    the log2 domain (exact zeros stay zero; the largest 0.5% kept in bf16: they are the
    most active parameters, whose restored steps must not grow), delta-coded like the
    weights; or, with
@@ -657,10 +658,14 @@ class DynaQuant(Policy):
         first_keep: float,
     ) -> None:
         # Each moment is sketched (every element read) on its own: shared out between threads,
-        # largest first; codecs and warm-start bookkeeping are assigned in leaf order.
+        # largest first; codecs and warm-start bookkeeping are assigned in leaf order. A
+        # statistic named as a non-negative one that holds a negative value (or NaN) is not
+        # what its name says (another optimizer's entry of the same name): it stays exact.
         items = [
             (index, role) for index, role in enumerate(layout.roles)
-            if eligible[index] and role in (*_FIRST_ORDER, *_POSITIVE)
+            if eligible[index] and (
+                role in _FIRST_ORDER or (role in _POSITIVE and float(leaves[index].tensor.min()) >= 0)
+            )
         ]
         items.sort(key=lambda item: -leaves[item[0]].tensor.numel())
         planned = parallel_map(lambda item: self._plan_moment(leaves, references, layout, *item, first_keep), items)
