@@ -147,8 +147,10 @@ def weighted_kmeans_1d(
         buffer[0], buffer[-1] = 0, points.numel()
     cuts, previous_cuts = bounds[1:-1], previous[1:-1]
     boundaries = torch.empty(count - 1, dtype=points.dtype, device=points.device)
-    # The centroids live in one buffer (sorted in place), so the views _cut reads stay valid.
+    # The centroids live in one buffer (updated into scratch, then sorted back into it), so
+    # the views _cut reads stay valid.
     centroids = centroids.clone()
+    updated = torch.empty_like(centroids)
     order = torch.empty(count, dtype=torch.long, device=points.device)
     lower, upper = centroids[:-1], centroids[1:]
     converged = False
@@ -160,8 +162,8 @@ def weighted_kmeans_1d(
         mass, moment = torch.diff(prefix.index_select(1, bounds), dim=1).unbind(0)
         # An empty cluster keeps its position; the final cleanup drops it.
         occupied = mass > 0
-        torch.where(occupied, moment.div_(mass.clamp_min_(1e-300)), centroids, out=centroids)
-        torch.sort(centroids, out=(centroids, order))
+        torch.where(occupied, moment.div_(mass.clamp_min_(1e-300)), centroids, out=updated)
+        torch.sort(updated, out=(centroids, order))
         bounds, previous, cuts, previous_cuts = previous, bounds, previous_cuts, cuts
     # The clusters that hold a point (what nearest_level would assign), from the cuts: a
     # search per boundary instead of one per point (bucketize over thousands of points
