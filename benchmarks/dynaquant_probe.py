@@ -16,9 +16,9 @@ no reference only) with ``exact`` (lossless), ``bf16``, ``fp16`` or ``trunc<n>``
 ``lossless:@weights=bf16`` perturbs only the weights, by bf16 rounding, and
 ``dynaquant:@first=exact,@second=exact`` shows what the weights alone cost. A
 DynaQuant grid option takes ``|``-separated values (``bins=64|48|32``);
-``@second_protect=``, ``@prune_penalty=``, ``@movement_share=`` and ``@proxy_scale=`` set
-those module constants for one run (``residual_bins=16|12|8`` replaces the former
-``@residual_bins=``).
+``@second_protect=``, ``@prune_penalty=`` and ``@proxy_scale=`` set those module
+constants for one run (the policy options ``residual_bins=16|12|8`` and
+``movement_share=0.5`` replace the former ``@residual_bins=`` and ``@movement_share=``).
 """
 
 from __future__ import annotations
@@ -124,7 +124,6 @@ _CONSTANTS = {
     "second_protect": (dynaquant_module, "SECOND_MOMENT_PROTECT"),
     "prune_penalty": (quantization_trials, "PRUNE_PENALTY"),
     "proxy_scale": (dynaquant_module, "PROXY_SCALE"),
-    "movement_share": (dynaquant_module, "MOVEMENT_SHARE"),
 }
 _DEFAULT_CONSTANTS = {name: getattr(module, attr) for name, (module, attr) in _CONSTANTS.items()}
 

@@ -64,6 +64,7 @@ def test_knobs_are_checked() -> None:
     for options in (
         {"tolerance": 0}, {"bins": ()}, {"bins": (0,)}, {"prune": (1.5,)}, {"stickiness": -1},
         {"moment_bins": 0}, {"min_numel": True}, {"evaluate": 3}, {"sigma": 2.0}, {"second_moment": "none"},
+        {"movement_share": 0}, {"movement_share": "0.1"},
     ):
         with pytest.raises(ValueError):
             DynaQuant(**options)
@@ -419,20 +420,26 @@ def test_a_weight_that_moved_less_than_its_levels_can_hold_is_stored_as_its_quan
     assert error <= 0.1 * moved
 
 
-def _residual_coding(grid: tuple[int, ...]) -> tuple[dict, float, int]:
-    """(levels used, error / squared movement, bytes) of model/3.weight coded as its change
-    since a reference 1e-3 of its spread away, under ``residual_bins=grid``."""
+def _moved_weight_coding(policy: DynaQuant, spread: float = 1e-3) -> tuple[dict, float, int]:
+    """(the search's configuration, error / squared movement, bytes) of model/3.weight
+    planned by ``policy`` against a reference ``spread`` of its standard deviation away."""
     _, (state,) = _states(1)
     flat = flatten(state)
     keys = [format_key_path(leaf.path) for leaf in flat.tensors]
     weight = flat.tensors[keys.index("model/3.weight")].tensor
-    reference = weight + 1e-3 * weight.std() * torch.randn(weight.shape, generator=torch.Generator().manual_seed(3))
+    reference = weight + spread * weight.std() * torch.randn(weight.shape, generator=torch.Generator().manual_seed(3))
     references = [reference if key == "model/3.weight" else None for key in keys]
-    policy = DynaQuant(residual_bins=grid)
     codec = dict(zip(keys, policy.plan(flat.tensors, references)))["model/3.weight"]
     encoded = codec.encode(weight, reference)
     error = float((encoded.reconstruction - weight).pow(2).sum()) / float((weight - reference).pow(2).sum())
-    return policy.search_log[-1].config["residual_tensors_by_bins"], error, sum(len(s) for s in encoded.streams)
+    return policy.search_log[-1].config, error, sum(len(s) for s in encoded.streams)
+
+
+def _residual_coding(grid: tuple[int, ...]) -> tuple[dict, float, int]:
+    """(levels used, error / squared movement, bytes) of model/3.weight coded as its change
+    since a reference 1e-3 of its spread away, under ``residual_bins=grid``."""
+    config, error, size = _moved_weight_coding(DynaQuant(residual_bins=grid))
+    return config["residual_tensors_by_bins"], error, size
 
 
 def test_a_stored_change_takes_the_fewest_levels_that_keep_it_within_the_movement_budget() -> None:
@@ -451,6 +458,22 @@ def test_a_stored_change_takes_the_fewest_levels_that_keep_it_within_the_movemen
     # When even the first grid entry misses the budget, the change is stored with it.
     first, first_error, _ = _residual_coding((4, 2))
     assert first == {4: 1} and first_error > 0.1
+
+
+@pytest.mark.parametrize("spread", [1e-3, 0.1], ids=["change-coded", "level-coded"])
+def test_movement_share_bounds_what_a_moved_weight_may_lose(spread) -> None:
+    # A weight that moved 1e-3 of its spread is stored as its change; one that moved 0.1
+    # of it on the search's levels. Either way its error stays within movement_share of
+    # its squared movement, and a larger share stores it in fewer bytes.
+    results = {}
+    for share in (0.05, 0.5):
+        policy = DynaQuant(movement_share=share, residual_bins=(16, 12, 8, 6, 4, 3, 2))
+        config, error, size = _moved_weight_coding(policy, spread)
+        assert error <= share
+        assert bool(config["residual_tensors"]) == (spread < 0.01)
+        results[share] = error, size
+    (tight_error, tight_bytes), (loose_error, loose_bytes) = results[0.05], results[0.5]
+    assert loose_error > tight_error and loose_bytes < 0.8 * tight_bytes
 
 
 def _train_two_layers(model: torch.nn.Module, optimizer: torch.optim.Optimizer, start: int) -> None:

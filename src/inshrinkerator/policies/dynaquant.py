@@ -12,7 +12,7 @@ Per checkpoint:
    Fisher-weighted ``sum(F (w_hat - w)^2) / sum(F w^2)`` (``F`` the paired Adam second
    moment, or the squared gradient average of a watched model), must stay below
    ``tolerance * PROXY_SCALE`` (calibrated on the benchmark workloads:
-   docs/dynaquant.md), and below ``MOVEMENT_SHARE`` of the tensor's squared change
+   docs/dynaquant.md), and below ``movement_share`` of the tensor's squared change
    since the reference (else a restore would undo the training since). The first
    checkpoint runs a guided search of the whole cube; later ones search around the
    previous best (never more aggressive, and no tensor gets fewer bins than before)
@@ -87,9 +87,6 @@ PROXY_SCALE = 1.0
 _FIRST_ORDER = (TensorRole.FIRST_MOMENT, TensorRole.MOMENTUM_BUFFER)
 #: Non-negative optimizer statistics, coded in the log domain.
 _POSITIVE = (TensorRole.SECOND_MOMENT, TensorRole.ACCUMULATOR)
-#: A moving weight's stored error may be at most this share of its squared change since
-#: the reference (the previous checkpoint's reconstruction).
-MOVEMENT_SHARE = 0.1
 #: Fraction of each second moment (its largest entries) kept in 16 bits.
 SECOND_MOMENT_PROTECT = 0.005
 
@@ -171,6 +168,12 @@ class DynaQuant(Policy):
             proxy, in units of ``PROXY_SCALE``).
         frozen_tolerance: the proxy budget of weights without optimizer state (frozen
             layers, or a bare model): their error is never trained away.
+        movement_share: without ``evaluate``, a weight that moved since its reference (the
+            previous checkpoint's reconstruction) may lose at most this share of its squared
+            change: a restore continues from the stored values, so what is lost there is
+            training undone. 0.1 kept the MiniLM fine-tune within the benchmark's bound;
+            runs that tolerate more (the digits CNNs) store their weights in fewer bytes
+            with more (docs/dynaquant.md, *Movement share*).
         evaluate: ``evaluate(model_state_dict) -> float``, lower is better; called on
             quantized models during the search.
         bins, embedding_bins, prune, protect: the search grid, each from the least to the
@@ -208,6 +211,7 @@ class DynaQuant(Policy):
 
     tolerance: float = 0.003
     frozen_tolerance: float = 0.0002
+    movement_share: float = 0.1
     evaluate: Optional[Callable[[dict[str, torch.Tensor]], float]] = field(default=None, compare=False)
     bins: tuple[int, ...] = (128, 64, 48, 32, 24, 16, 12, 8, 6, 4)
     embedding_bins: tuple[int, ...] = (128, 64, 32, 16)
@@ -232,6 +236,7 @@ class DynaQuant(Policy):
     def __post_init__(self) -> None:
         _check_number("tolerance", self.tolerance, 1e-12, 1e6)
         _check_number("frozen_tolerance", self.frozen_tolerance, 1e-12, 1e6)
+        _check_number("movement_share", self.movement_share, 1e-12, 1e6)
         if self.evaluate is not None and not callable(self.evaluate):
             raise ValueError("evaluate must be a callable taking a model state_dict and returning a float")
         _check_grid("bins", self.bins, int, 1, 1024)
@@ -377,7 +382,7 @@ class DynaQuant(Policy):
         (relative to the weight, as the search judges it); the first (most) when none does.
 
         Such a weight moved less than its own levels' spacing, and its budget is a share
-        of that movement (``MOVEMENT_SHARE``). The default grid is one entry, 16 levels,
+        of that movement (``movement_share``). The default grid is one entry, 16 levels,
         which keeps MiniLM's changes 2-8x inside that budget (0.012-0.05 of their squared
         movement): searching fewer levels stored 14 % fewer bytes there but cost accuracy
         (docs/dynaquant.md), so it is an option.
@@ -620,7 +625,7 @@ class DynaQuant(Policy):
         scales: dict[int, float],
         budget: float,
     ) -> set[int]:
-        """Tighten each moving weight's budget to ``MOVEMENT_SHARE`` of its change since the
+        """Tighten each moving weight's budget to ``movement_share`` of its change since the
         reference (in ``scales``); return the weights that moved.
 
         After a restore the run continues from the stored values: an element that moved
@@ -642,7 +647,7 @@ class DynaQuant(Policy):
             if not moved > 0:  # unchanged (nothing to lose) or not finite
                 continue
             moving.add(index)
-            share = MOVEMENT_SHARE * moved / max(trials[index].total_plain, 1e-300) / budget
+            share = self.movement_share * moved / max(trials[index].total_plain, 1e-300) / budget
             scales[index] = min(scales.get(index, 1.0), share)
         return moving
 
