@@ -173,7 +173,7 @@ class DynaQuant(Policy):
             change: a restore continues from the stored values, so what is lost there is
             training undone. 0.1 kept the MiniLM fine-tune within the benchmark's bound;
             runs that tolerate more (the digits CNNs) store their weights in fewer bytes
-            with more (docs/dynaquant.md, *Movement share*).
+            with more (docs/dynaquant.md, *Trading degradation for bytes*).
         evaluate: ``evaluate(model_state_dict) -> float``, lower is better; called on
             quantized models during the search.
         bins, embedding_bins, prune, protect: the search grid, each from the least to the
