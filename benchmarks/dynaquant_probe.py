@@ -15,7 +15,7 @@ no reference only) with ``exact`` (lossless), ``bf16``, ``fp16`` or ``trunc<n>``
 (float32 with its lowest ``n`` mantissa bits rounded away), so
 ``lossless:@weights=bf16`` perturbs only the weights, by bf16 rounding, and
 ``dynaquant:@first=exact,@second=exact`` shows what the weights alone cost. A
-DynaQuant grid option takes ``|``-separated values (``bins=64|48|32``);
+grid option takes ``|``-separated values (``bins=64|48|32``), as every policy spec does;
 ``@second_protect=``, ``@prune_penalty=`` and ``@proxy_scale=`` set those module
 constants for one run (the policy options ``residual_bins=16|12|8`` and
 ``movement_share=0.5`` replace the former ``@residual_bins=`` and ``@movement_share=``).
@@ -128,23 +128,12 @@ _CONSTANTS = {
 _DEFAULT_CONSTANTS = {name: getattr(module, attr) for name, (module, attr) in _CONSTANTS.items()}
 
 
-def _value(text: str) -> Any:
-    if "|" in text:
-        return tuple(_value(part) for part in text.split("|") if part)
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
-
-
 def build_probe_policy(spec: str) -> Policy:
-    """A policy for ``spec``, with the probe-only ``@`` options and tuple grids applied."""
+    """A policy for ``spec``, with the probe-only ``@`` options applied."""
     for name, (module, attr) in _CONSTANTS.items():
         setattr(module, attr, _DEFAULT_CONSTANTS[name])
     name, _, options = spec.partition(":")
-    plain, overrides, grids = [], {}, {}
+    plain, overrides = [], {}
     for item in filter(None, options.split(",")):
         key, _, value = item.partition("=")
         if key.startswith("@"):
@@ -156,13 +145,9 @@ def build_probe_policy(spec: str) -> Policy:
                 overrides[key] = value
             else:
                 raise ValueError(f"unknown probe option @{key}")
-        elif "|" in value:
-            grids[key] = _value(value)
         else:
             plain.append(item)
     policy = build_policy(name + (":" + ",".join(plain) if plain else ""))
-    if grids:
-        policy = dataclasses.replace(policy, **grids)
     return ProbePolicy(policy, overrides) if overrides else policy
 
 

@@ -151,3 +151,14 @@ def test_human_bytes() -> None:
     assert human_bytes(12) == "12 B"
     assert human_bytes(1536) == "1.5 KiB"
     assert human_bytes(3 * 1024**3) == "3.0 GiB"
+
+
+def test_compress_takes_a_policy_with_options(capsys, tmp_path: Path, weights: Path) -> None:
+    sizes = {}
+    for bits in (2, 8):
+        code, _, err = run(capsys, "compress", "--policy", f"cnr:bits={bits}", str(weights), str(tmp_path / f"{bits}.ink"))
+        assert code == 0, err
+        sizes[bits] = (tmp_path / f"{bits}.ink").stat().st_size
+    assert sizes[2] < sizes[8]
+    code, _, err = run(capsys, "compress", "--policy", "cnr:colour=red", str(weights), str(tmp_path / "x.ink"))
+    assert code == 1 and "has no option 'colour'" in err and not (tmp_path / "x.ink").exists()

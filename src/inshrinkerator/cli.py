@@ -298,7 +298,10 @@ def build_parser() -> argparse.ArgumentParser:
     compress = command("compress", "compress a .pt/.pth/.bin or .safetensors file into an .ink file")
     compress.add_argument("input")
     compress.add_argument("output")
-    compress.add_argument("--policy", default="lossless", help=f"one of: {', '.join(POLICY_NAMES)}")
+    compress.add_argument(
+        "--policy", default="lossless",
+        help=f"one of: {', '.join(POLICY_NAMES)}; options after a colon, e.g. dynaquant:tolerance=0.01,bins=64|32",
+    )
     compress.add_argument("--base", help="store deltas against this reference (.pt/.safetensors/.ink)")
     compress.set_defaults(handler=cmd_compress)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from .. import policies
 from ..policies import Policy
+from ..policies.spec import parse_policy_spec
 
 __all__ = ["registered_policies", "build_policy", "base_name", "sweep_specs", "SWEEP_WORKLOADS"]
 
@@ -38,27 +39,6 @@ def sweep_specs(names: list[str]) -> list[str]:
     return specs
 
 
-def _parse_value(text: str) -> object:
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return {"true": True, "false": False}.get(text.lower(), text)
-
-
 def build_policy(spec: str) -> Policy:
     """The policy object for a spec; ``ValueError`` for an unknown name or a bad option."""
-    name, _, options = spec.partition(":")
-    if name not in policies._FACTORIES:
-        raise ValueError(f"unknown policy {name!r}; registered: {', '.join(policies._FACTORIES)}")
-    kwargs = {}
-    for item in filter(None, options.split(",")):
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"policy option {item!r} in {spec!r} is not key=value")
-        kwargs[key.strip()] = _parse_value(value.strip())
-    try:
-        return policies._FACTORIES[name](**kwargs)
-    except TypeError as exc:
-        raise ValueError(f"policy {spec!r}: {exc}") from None
+    return parse_policy_spec(spec, policies._FACTORIES)

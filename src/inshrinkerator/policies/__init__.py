@@ -1,4 +1,5 @@
-"""Policies decide how each tensor is stored. Pass a name or a policy object."""
+"""Policies decide how each tensor is stored. Pass a name, a spec (``"dynaquant:tolerance=0.01"``)
+or a policy object."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from .excp import ExCP
 from .lc_checkpoint import LCCheckpoint
 from .lossless import Lossless
 from .qd import QDCompressor
+from .spec import parse_policy_spec
 
 __all__ = [
     "Policy", "Lossless", "LCCheckpoint", "ExCP", "CheckNRun", "QDCompressor", "DynaQuant",
@@ -31,11 +33,17 @@ POLICY_NAMES = tuple(_FACTORIES)
 
 
 def resolve_policy(policy: Union[str, Policy]) -> Policy:
-    """The policy object for a name or object; ``ValueError`` for an unknown name."""
+    """The policy object for a name, a spec with options (``"dynaquant:tolerance=0.01,
+    bins=64|32"``: :mod:`.spec`) or an object.
+
+    Raises:
+        ValueError: an unknown name or option, or a value the policy refuses.
+    """
     if isinstance(policy, Policy):
         return policy
-    if isinstance(policy, str) and policy in _FACTORIES:
-        return _FACTORIES[policy]()
+    if isinstance(policy, str):
+        return parse_policy_spec(policy, _FACTORIES)
     raise ValueError(
-        f"unknown policy {policy!r}; use one of {', '.join(POLICY_NAMES)} or a Policy object"
+        f"unknown policy {policy!r}; use one of {', '.join(POLICY_NAMES)}, a spec such as "
+        "'dynaquant:tolerance=0.01', or a Policy object"
     )
