@@ -16,6 +16,8 @@ no reference only) with ``exact`` (lossless), ``bf16``, ``fp16`` or ``trunc<n>``
 ``lossless:@weights=bf16`` perturbs only the weights, by bf16 rounding, and
 ``dynaquant:@first=exact,@second=exact`` shows what the weights alone cost. A
 grid option takes ``|``-separated values (``bins=64|48|32``), as every policy spec does;
+``@evaluate=train`` gives DynaQuant an ``evaluate`` (the training loss on four fixed training
+batches the run never draws) in failure runs.
 ``@second_protect=``, ``@prune_penalty=`` and ``@proxy_scale=`` set those module
 constants for one run (the policy options ``residual_bins=16|12|8`` and
 ``movement_share=0.5`` replace the former ``@residual_bins=`` and ``@movement_share=``).
@@ -39,6 +41,7 @@ from typing import Any, Optional
 from inshrinkerator.bench.aggregate import run_metrics
 from inshrinkerator.bench.policy_specs import build_policy
 from inshrinkerator.bench.recovery import run_reference, run_with_failures
+from inshrinkerator.bench.workloads import WORKLOADS, training_loss_evaluator
 from inshrinkerator.codecs import Codec
 from inshrinkerator.codecs.base import Encoded, TensorSpec
 from inshrinkerator.codecs.bucket_delta import EntropyStats
@@ -128,17 +131,27 @@ _CONSTANTS = {
 _DEFAULT_CONSTANTS = {name: getattr(module, attr) for name, (module, attr) in _CONSTANTS.items()}
 
 
-def build_probe_policy(spec: str) -> Policy:
-    """A policy for ``spec``, with the probe-only ``@`` options applied."""
+def build_probe_policy(spec: str, workload: Optional[str] = None, seed: int = 0, quick: bool = False) -> Policy:
+    """A policy for ``spec``, with the probe-only ``@`` options applied.
+
+    ``@evaluate=train`` gives DynaQuant an ``evaluate``: the training loss on four fixed
+    training batches the run never draws (``training_loss_evaluator``), of ``workload``
+    built with ``seed``.
+    """
     for name, (module, attr) in _CONSTANTS.items():
         setattr(module, attr, _DEFAULT_CONSTANTS[name])
     name, _, options = spec.partition(":")
     plain, overrides = [], {}
+    evaluate = None
     for item in filter(None, options.split(",")):
         key, _, value = item.partition("=")
         if key.startswith("@"):
             key = key[1:]
-            if key in _CONSTANTS:
+            if key == "evaluate":
+                if value != "train" or workload is None:
+                    raise ValueError("@evaluate takes 'train', in failure runs only")
+                evaluate = training_loss_evaluator(lambda: WORKLOADS[workload](seed=seed, quick=quick))
+            elif key in _CONSTANTS:
                 module, attr = _CONSTANTS[key]
                 setattr(module, attr, type(_DEFAULT_CONSTANTS[key])(float(value)))
             elif key in _CLASS_ROLES:
@@ -148,6 +161,8 @@ def build_probe_policy(spec: str) -> Policy:
         else:
             plain.append(item)
     policy = build_policy(name + (":" + ",".join(plain) if plain else ""))
+    if evaluate is not None:
+        policy = dataclasses.replace(policy, evaluate=evaluate)
     return ProbePolicy(policy, overrides) if overrides else policy
 
 
@@ -349,7 +364,7 @@ def main(argv: list[str]) -> int:
             print(f"# {workload} seed {seed}: reference {reference['evaluation']['metric']} = "
                   f"{reference['evaluation']['value']:.4f} ({time.perf_counter() - started:.0f} s)", flush=True)
             for spec in specs:
-                policy = build_probe_policy(spec)
+                policy = build_probe_policy(spec, workload, seed, args.quick)
                 started = time.perf_counter()
                 used: list = []
                 with tempfile.TemporaryDirectory() as folder:

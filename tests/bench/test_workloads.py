@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from inshrinkerator.bench.workloads import WORKLOADS, make_workload
+from inshrinkerator.bench.workloads import WORKLOADS, make_workload, training_loss_evaluator
 
 _STEPS = {"digits-cnn": 15, "digits-cnn-sgd": 15, "stdlib-char-gpt": 15, "minilm-docstrings": 8}
 
@@ -33,6 +33,29 @@ def test_resume_from_exact_state_reproduces_the_run(name: str) -> None:
     workload.restore(saved)
     resumed = [workload.train_step(step) for step in (3, 4)]
     assert resumed == straight
+
+
+@pytest.mark.parametrize("name", list(WORKLOADS))
+def test_loss_on_measures_the_training_loss_without_changing_anything(name: str) -> None:
+    workload = make_workload(name, seed=0, quick=True)
+    before = copy.deepcopy(workload.state())
+    first = workload.loss_on([100, 101])
+    assert first == workload.loss_on([100, 101]) and torch.isfinite(torch.tensor(first))
+    assert workload.model.training  # the mode it was in comes back
+    for key, value in workload.model.state_dict().items():
+        assert torch.equal(value, before["model"][key])
+    evaluate = training_loss_evaluator(lambda: WORKLOADS[name](seed=0, quick=True), batches=2)
+    untrained = evaluate(workload.model.state_dict())
+    for step in range(_STEPS[name]):
+        workload.train_step(step)
+    trained = evaluate(workload.model.state_dict())
+    assert trained < untrained
+    # The evaluator loads the state into a model of its own, never the one being trained.
+    kept = copy.deepcopy(workload.model.state_dict())
+    damaged = {key: torch.zeros_like(value) for key, value in kept.items()}
+    assert evaluate(damaged) != trained
+    for key, value in workload.model.state_dict().items():
+        assert torch.equal(value, kept[key])
 
 
 def test_seed_decides_init_and_data() -> None:

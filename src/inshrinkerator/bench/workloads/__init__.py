@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from .base import Evaluation, Workload, WorkloadSize, step_generator
+from .base import Evaluation, Workload, WorkloadSize, step_generator, training_loss_evaluator
 from .char_gpt import CharGPT
 from .digits import DigitsCNN, DigitsCNNSGD
 from .minilm import MiniLMDocstrings
 
 __all__ = [
-    "Workload", "WorkloadSize", "Evaluation", "step_generator", "WORKLOADS", "make_workload",
+    "Workload", "WorkloadSize", "Evaluation", "step_generator", "training_loss_evaluator", "WORKLOADS", "make_workload",
     "DigitsCNN", "DigitsCNNSGD", "CharGPT", "MiniLMDocstrings",
 ]
 

@@ -11,12 +11,13 @@ the final metric.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["Workload", "WorkloadSize", "Evaluation", "step_generator"]
+__all__ = ["Workload", "WorkloadSize", "Evaluation", "step_generator", "training_loss_evaluator"]
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,26 @@ class Workload(ABC):
     def evaluate(self) -> Evaluation:
         """The final quality metric on held-out data (no state change)."""
 
+    def batch_loss(self, step: int) -> torch.Tensor:
+        """The training loss of the current model on the batch of ``step`` (what
+        :meth:`train_step` minimises), without an update.
+
+        Raises:
+            NotImplementedError: the workload does not define it.
+        """
+        raise NotImplementedError(f"{type(self).__name__} gives no training loss without an update")
+
+    @torch.no_grad()
+    def loss_on(self, steps: Sequence[int]) -> float:
+        """Mean training loss of the current model on the batches of ``steps``, in eval
+        mode, changing nothing (a quality measure from training data: never the test data)."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            return float(torch.stack([self.batch_loss(step) for step in steps]).mean())
+        finally:
+            self.model.train(was_training)
+
     def state(self) -> dict[str, Any]:
         """What a training loop checkpoints: model, optimizer, scheduler and step."""
         return {
@@ -107,3 +128,27 @@ class Workload(ABC):
         self.optimizer.step()
         self.scheduler.step()
         return float(loss.detach())
+
+
+def training_loss_evaluator(
+    workload: Callable[[], Workload], batches: int = 4
+) -> Callable[[dict[str, torch.Tensor]], float]:
+    """An ``evaluate`` for :class:`~inshrinkerator.policies.DynaQuant`: the mean training loss
+    of a model holding the given state_dict, on ``batches`` fixed batches of training data
+    that the run itself never draws (steps from 10**9 on).
+
+    ``workload`` makes a fresh workload of the run's kind, built on first use: the state is
+    loaded into that scratch model, never into the one being trained.
+    """
+    scratch: list[Workload] = []
+    steps = range(10**9, 10**9 + batches)
+
+    def evaluate(model_state: dict[str, torch.Tensor]) -> float:
+        if not scratch:
+            made = workload()
+            made.build()
+            scratch.append(made)
+        scratch[0].model.load_state_dict(model_state)
+        return scratch[0].loss_on(steps)
+
+    return evaluate

@@ -133,12 +133,13 @@ class CharGPT(Workload):
         windows = torch.stack([text[s : s + context + 1] for s in starts.tolist()])
         return windows[:, :-1], windows[:, 1:]
 
-    def train_step(self, step: int) -> float:
+    def batch_loss(self, step: int) -> torch.Tensor:
         inputs, targets = self._batch(self._split()[0], step_generator(self.seed, step))
+        return F.cross_entropy(self.model(inputs).reshape(-1, _VOCAB), targets.reshape(-1))
+
+    def train_step(self, step: int) -> float:
         self.model.train()
-        logits = self.model(inputs)
-        loss = F.cross_entropy(logits.reshape(-1, _VOCAB), targets.reshape(-1))
-        return self._optimizer_step(loss)
+        return self._optimizer_step(self.batch_loss(step))
 
     @torch.no_grad()
     def evaluate(self) -> Evaluation:

@@ -77,14 +77,16 @@ class DigitsCNN(Workload):
             self.optimizer, T_max=self.size.total_steps
         )
 
-    def train_step(self, step: int) -> float:
+    def batch_loss(self, step: int) -> torch.Tensor:
         train_x, train_y, _, _ = digits_split()
         index = torch.randint(
             len(train_y), (self.batch_size,), generator=step_generator(self.seed, step)
         )
+        return nn.functional.cross_entropy(self.model(train_x[index]), train_y[index])
+
+    def train_step(self, step: int) -> float:
         self.model.train()
-        logits = self.model(train_x[index])
-        return self._optimizer_step(nn.functional.cross_entropy(logits, train_y[index]))
+        return self._optimizer_step(self.batch_loss(step))
 
     @torch.no_grad()
     def evaluate(self) -> Evaluation:

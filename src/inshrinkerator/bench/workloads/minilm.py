@@ -131,12 +131,15 @@ class MiniLMDocstrings(Workload):
     def _logits(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model["classifier"](self.model["encoder"](ids))
 
-    def train_step(self, step: int) -> float:
+    def batch_loss(self, step: int) -> torch.Tensor:
         train_x, train_y, _, _ = self._data()
         index = torch.randint(len(train_y), (self.batch_size,), generator=step_generator(self.seed, step))
+        return F.cross_entropy(self._logits(train_x[index]), train_y[index])
+
+    def train_step(self, step: int) -> float:
         torch.manual_seed(self.seed * 1_000_003 + step)  # dropout masks: a function of the step
         self.model.train()
-        return self._optimizer_step(F.cross_entropy(self._logits(train_x[index]), train_y[index]))
+        return self._optimizer_step(self.batch_loss(step))
 
     @torch.no_grad()
     def evaluate(self) -> Evaluation:
