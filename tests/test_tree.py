@@ -130,6 +130,9 @@ def test_tied_weights_are_stored_once() -> None:
     state = {"embed": embedding, "head": embedding, "head_view": embedding.view(10, 4), "row": embedding[0]}
     flat = flatten(state)
     assert len(flat.tensors) == 2  # embedding (all three names) and the row view
+    assert [(leaf.path, leaf.aliases) for leaf in flat.tensors] == [
+        (("embed",), (("head",), ("head_view",))), (("row",), ()),
+    ]
     back = unflatten(flat.skeleton, [leaf.tensor for leaf in flat.tensors])
     assert back["embed"] is back["head"] is back["head_view"]
     assert torch.equal(back["row"], embedding[0])

@@ -84,10 +84,13 @@ _DTYPES_BY_NAME: dict[str, torch.dtype] = {
 
 @dataclass(frozen=True)
 class TensorLeaf:
-    """One distinct tensor of a state and the first key path it was found at."""
+    """One distinct tensor of a state, the first key path it was found at, and the later
+    key paths that hold the same tensor (tied weights, e.g. a language model's embedding
+    and output layer)."""
 
     path: KeyPath
     tensor: torch.Tensor
+    aliases: tuple[KeyPath, ...] = ()
 
 
 @dataclass
@@ -210,6 +213,9 @@ class _Flattener:
             index = len(self.tensors)
             self.tensors.append(TensorLeaf(path, tensor.detach().resolve_conj().resolve_neg()))
             self._seen[identity] = index
+        else:
+            first = self.tensors[index]
+            self.tensors[index] = TensorLeaf(first.path, first.tensor, first.aliases + (path,))
         return {"t": index}
 
     def visit(self, value: Any, path: KeyPath) -> Any:

@@ -176,6 +176,31 @@ def test_user_evaluate_decides_and_tolerance_trades_size_for_quality() -> None:
     assert calls and "3.weight" in calls[0] and "0.bias" in calls[0]
 
 
+def test_evaluate_gets_every_key_of_a_model_with_tied_weights() -> None:
+    # A language model's output layer shares the embedding's tensor: its state_dict holds
+    # it under both keys, and a strict load_state_dict wants both.
+    def language_model() -> torch.nn.Module:
+        model = torch.nn.Sequential(torch.nn.Embedding(256, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 256))
+        model[2].weight = model[0].weight
+        return model
+
+    torch.manual_seed(0)
+    model, scratch = language_model(), language_model()
+    tokens = torch.randint(256, (8, 16), generator=torch.Generator().manual_seed(1))
+
+    def evaluate(model_state: dict[str, torch.Tensor]) -> float:
+        scratch.load_state_dict(model_state)  # strict
+        with torch.no_grad():
+            return float(torch.nn.functional.cross_entropy(scratch(tokens).reshape(-1, 256), tokens.reshape(-1)))
+
+    state = {"model": model.state_dict(), "step": 1}
+    flat = flatten(state)
+    assert [leaf.aliases for leaf in flat.tensors if leaf.path == ("model", "0.weight")] == [(("model", "2.weight"),)]
+    policy = DynaQuant(evaluate=evaluate, tolerance=0.05)
+    codecs = dict(zip((format_key_path(leaf.path) for leaf in flat.tensors), policy.plan(flat.tensors, [None] * len(flat.tensors))))
+    assert policy.search_log[-1].feasible and not codecs["model/0.weight"].lossless
+
+
 def test_nothing_feasible_keeps_the_weights_exact() -> None:
     _, (state,) = _states(1)
     policy = DynaQuant(evaluate=lambda model_state: float(torch.rand(1)) + 10.0, tolerance=1e-9)

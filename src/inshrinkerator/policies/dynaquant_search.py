@@ -389,16 +389,18 @@ class ConfigurationCube:
         return True
 
     def _model_state(self, replace: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
-        # The model state_dict: the leaves under the key-path prefix holding the most weights.
+        # The model state_dict: the leaves under the key-path prefix holding the most weights,
+        # a tied tensor under each of its keys (a strict load_state_dict wants them all).
         prefixes: dict[tuple, int] = {}
         for index in self.trials:
             prefix = self.leaves[index].path[:-1]
             prefixes[prefix] = prefixes.get(prefix, 0) + 1
         prefix = max(prefixes, key=lambda p: prefixes[p])
         return {
-            str(leaf.path[-1]): replace.get(index, leaf.tensor)
+            str(path[-1]): replace.get(index, leaf.tensor)
             for index, leaf in enumerate(self.leaves)
-            if leaf.path[:-1] == prefix and leaf.path
+            for path in (leaf.path, *leaf.aliases)
+            if path and path[:-1] == prefix
         }
 
     def _evaluated_loss(self, point: Point, metric: str) -> float:
