@@ -201,6 +201,36 @@ def test_evaluate_gets_every_key_of_a_model_with_tied_weights() -> None:
     assert policy.search_log[-1].feasible and not codecs["model/0.weight"].lossless
 
 
+def test_evaluate_cannot_spend_what_a_frozen_or_moved_weight_may_lose() -> None:
+    # An evaluate blind to a weight (a head that is not trained yet hides the encoder) would
+    # let the search prune and coarsen it at will; a frozen weight keeps its error for good,
+    # and a moved one loses its training at a restore. Both stay within their own budgets.
+    model, state = _two_layer_state(frozen_first=True)
+    flat = flatten(state)
+    keys = [format_key_path(leaf.path) for leaf in flat.tensors]
+    blind = DynaQuant(evaluate=lambda model_state: 1.0, frozen_tolerance=1e-3)
+    blind.watch(model)
+    trained = flat.tensors[keys.index("model/2.weight")].tensor
+    reference = trained + 0.1 * trained.std() * torch.randn(trained.shape, generator=torch.Generator().manual_seed(5))
+    references = [reference if key == "model/2.weight" else None for key in keys]
+    codecs = dict(zip(keys, blind.plan(flat.tensors, references)))
+    assert blind.search_log[-1].feasible
+
+    def relative_error(key: str, ref=None) -> float:
+        tensor = flat.tensors[keys.index(key)].tensor
+        restored = codecs[key].encode(tensor, ref).reconstruction
+        return float((restored - tensor).pow(2).sum() / tensor.pow(2).sum())
+
+    assert relative_error("model/0.weight") <= 1e-3  # frozen: its own budget, not "anything goes"
+    moved = float((trained - reference).pow(2).sum() / trained.pow(2).sum())
+    assert relative_error("model/2.weight", reference) <= blind.movement_share * moved
+    # The search still goes as far as those budgets allow: coarser than the proxy's default.
+    proxy = DynaQuant(frozen_tolerance=1e-3)
+    proxy.watch(model)
+    proxy.plan(flat.tensors, references)
+    assert blind.search_log[-1].config["prune"] >= proxy.search_log[-1].config["prune"]
+
+
 def test_nothing_feasible_keeps_the_weights_exact() -> None:
     _, (state,) = _states(1)
     policy = DynaQuant(evaluate=lambda model_state: float(torch.rand(1)) + 10.0, tolerance=1e-9)

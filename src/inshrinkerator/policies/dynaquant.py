@@ -453,12 +453,11 @@ class DynaQuant(Policy):
         Their reference is what the previous checkpoint stored, so this keeps them on the
         levels they were stored with, as the search would, without re-coding them (MiniLM:
         21 frozen tensors, a third of a chain restore's decoding). A frozen weight given new
-        values since (loaded by hand) is over the budget and quantized again. With a user's
-        ``evaluate`` the search judges every weight, so none is set aside.
+        values since (loaded by hand) is over the budget and quantized again.
         """
-        if self.evaluate is not None:
-            return set()
-        bound = min(self.frozen_tolerance, self.tolerance) * PROXY_SCALE
+        # With ``evaluate`` the tolerance is in its units: the frozen budget stands alone.
+        tolerance = self.tolerance if self.evaluate is None else math.inf
+        bound = min(self.frozen_tolerance, tolerance) * PROXY_SCALE
         unchanged = set()
         for index in watched_frozen:
             tensor = leaves[index].tensor.detach()
@@ -511,30 +510,46 @@ class DynaQuant(Policy):
             # measured on the last one (a guess before the first). Full checkpoints get the
             # same room, so the next delta's search starts from a point that still fits.
             inflation = self._memory.inflation or 1.0 + 1.3 * self.stickiness
-        scales = {i: min(self.frozen_tolerance / self.tolerance, 1.0) for i in frozen}
         # A weight the watched model does not train has not moved: what separates it from
         # its reference is the reference's own error, which the frozen budget bounded when
         # it was stored. Bounding it by that "movement" would re-code the error at every
         # delta (MiniLM: its frozen layers were 31 % of every delta step).
         movable = [i for i in indices if i not in watched_frozen]
-        moving = self._bound_by_movement(leaves, references, trials, movable, scales, budget)
+        movement = self._movement_budgets(leaves, references, trials, movable)
+        moving = set(movement)
+        scales: dict[int, float] = {}
+        caps: dict[int, float] = {}
+        if self.evaluate is None:
+            # Under the proxy, a weight's budget is its share of ``budget``.
+            scales = {i: min(self.frozen_tolerance / self.tolerance, 1.0) for i in frozen}
+            for index, share in movement.items():
+                scales[index] = min(scales.get(index, 1.0), share / budget)
+        else:
+            # ``evaluate`` judges the model now; what it cannot see stays bounded in the
+            # proxy's units: a frozen weight's error, which training never removes, and what
+            # a restore takes from a moved weight's change (without these a fine-tune's
+            # first checkpoint, whose untrained head hides the encoder's damage, pruned 30 %
+            # of MiniLM's frozen layers).
+            caps = {i: self.frozen_tolerance * PROXY_SCALE for i in frozen}
+            for index, share in movement.items():
+                caps[index] = min(caps.get(index, math.inf), share)
         cube = ConfigurationCube(
             trials, leaves, self.bins, self.embedding_bins, self.prune, self.protect, budget / inflation,
-            self.evaluate, init, scales,
+            self.evaluate, init, scales, caps,
         )
         hard: list[int] = []
         residual: list[int] = []
         residual_levels: dict[int, int] = {}  # levels -> residual-coded weights stored with them
-        if self.evaluate is None:
-            # The proxy judges every tensor alone: one that misses its budget even at the
-            # least aggressive point is stored another way, instead of failing the search
-            # (and so the quantization) of all the others: as its quantized change since
-            # the reference when it moved (levels of its own values cannot hold a change
-            # smaller than their spacing), else losslessly.
+        if self.evaluate is None or caps:
+            # Every tensor's own budget is judged alone: one that misses it even at the least
+            # aggressive point is stored another way, instead of failing the search (and so
+            # the quantization) of all the others: as its quantized change since the
+            # reference when it moved (levels of its own values cannot hold a change smaller
+            # than their spacing), else losslessly.
             origin = tuple(0 for _ in cube.shape)
-            hard = [i for i in indices if cube.tensor_error(i, origin, MAGNITUDE) > cube.budget]
+            hard = [i for i in indices if not cube.within_own_budget(i, origin, MAGNITUDE)]
             residual = [i for i in hard if i in moving]
-            allowed = {i: scales.get(i, 1.0) * cube.budget for i in residual}
+            allowed = {i: cube.own_budget(i) for i in residual}
             coded = parallel_map(
                 lambda i: self._residual_codec(leaves, references, layout, i, trials[i], allowed[i]), residual
             )
@@ -556,7 +571,7 @@ class DynaQuant(Policy):
                 trials = {i: trials[i] for i in indices}
                 cube = ConfigurationCube(
                     trials, leaves, self.bins, self.embedding_bins, self.prune, self.protect, budget / inflation,
-                    self.evaluate, init, scales,
+                    self.evaluate, init, scales, caps,
                 )
         point, metric, kind = cube.search(self._memory.best, self.neighbourhood, not self.precision_only_grows)
         floors = {}
@@ -616,17 +631,15 @@ class DynaQuant(Policy):
         config["tensors_by_bins"] = dict(sorted(tensors.items()))
         return config
 
-    def _bound_by_movement(
+    def _movement_budgets(
         self,
         leaves: Sequence[TensorLeaf],
         references: Sequence[Optional[torch.Tensor]],
         trials: dict[int, WeightTrial],
         indices: list[int],
-        scales: dict[int, float],
-        budget: float,
-    ) -> set[int]:
-        """Tighten each moving weight's budget to ``movement_share`` of its change since the
-        reference (in ``scales``); return the weights that moved.
+    ) -> dict[int, float]:
+        """For each weight that moved since its reference: ``movement_share`` of its squared
+        change relative to its energy, the most of its proxy error a restore may lose.
 
         After a restore the run continues from the stored values: an element that moved
         less than its cell since the last checkpoint is put back on its old level, and the
@@ -634,9 +647,7 @@ class DynaQuant(Policy):
         are far smaller than the cells (MiniLM: 1e-5..1e-4 of the weights' energy per
         checkpoint, below the 1.5e-4 error of 128 levels) lost half its accuracy.
         """
-        moving: set[int] = set()
-        if self.evaluate is not None:
-            return moving
+        budgets: dict[int, float] = {}
         for index in indices:
             tensor = leaves[index].tensor
             reference = _usable_reference(tensor, references[index])
@@ -646,10 +657,8 @@ class DynaQuant(Policy):
             moved = float(torch.dot(difference.reshape(-1), difference.reshape(-1)))
             if not moved > 0:  # unchanged (nothing to lose) or not finite
                 continue
-            moving.add(index)
-            share = self.movement_share * moved / max(trials[index].total_plain, 1e-300) / budget
-            scales[index] = min(scales.get(index, 1.0), share)
-        return moving
+            budgets[index] = self.movement_share * moved / max(trials[index].total_plain, 1e-300)
+        return budgets
 
     # ----------------------------------------------------------------- moments
 

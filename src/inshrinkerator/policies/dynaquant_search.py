@@ -240,9 +240,12 @@ class ConfigurationCube:
         evaluate: Optional[Callable[[dict[str, torch.Tensor]], float]] = None,
         init: Optional[dict[int, torch.Tensor]] = None,
         scales: Optional[dict[int, float]] = None,
+        caps: Optional[dict[int, float]] = None,
     ) -> None:
         self.trials = trials
         self.scales = scales or {}
+        #: with ``evaluate``: the largest proxy error some tensors may have, whatever it says
+        self.caps = {i: cap for i, cap in (caps or {}).items() if i in trials}
         self.leaves = leaves
         self.embedding = {i for i, t in trials.items() if t.layer_type == "embedding"}
         self.axes: list[tuple] = [
@@ -314,6 +317,29 @@ class ConfigurationCube:
         """The proxy's judgement of one tensor at ``point``: its error over its budget share."""
         return self.result(index, point, metric).error / self.scales.get(index, 1.0)
 
+    def own_budget(self, index: int) -> float:
+        """The largest proxy error tensor ``index`` may have on its own (inf: no bound of its
+        own, with ``evaluate`` judging the model)."""
+        if self.evaluate is None:
+            return self.scales.get(index, 1.0) * self.budget
+        return self.caps.get(index, math.inf)
+
+    def within_own_budget(self, index: int, point: Point, metric: str) -> bool:
+        if self.evaluate is None:
+            return not self.tensor_error(index, point, metric) > self.budget
+        return index not in self.caps or self.result(index, point, metric).error <= self.caps[index]
+
+    def _within_caps(self, point: Point, metric: str) -> bool:
+        # The tensor that failed last first: it usually fails again.
+        order = [i for i in self.caps if i != self._hardest]
+        if self._hardest in self.caps:
+            order.insert(0, self._hardest)
+        for index in order:
+            if not self.within_own_budget(index, point, metric):
+                self._hardest = index
+                return False
+        return True
+
     def refine(self, point: Point, metric: str, floors: Optional[dict[int, int]] = None) -> int:
         """Give each tensor the fewest bins that keep *its own* error within budget (proxy only).
 
@@ -362,6 +388,8 @@ class ConfigurationCube:
         if key not in self._quality:
             if self.evaluate is None:
                 self._quality[key] = max(self.tensor_error(i, point, metric) for i in self.trials)
+            elif not self._within_caps(point, metric):
+                self._quality[key] = math.inf  # decided without calling evaluate
             else:
                 self._quality[key] = self._evaluated_loss(point, metric)
         return self._quality[key]
