@@ -168,14 +168,16 @@ class DynaQuant(Policy):
             proxy, in units of ``PROXY_SCALE``).
         frozen_tolerance: the proxy budget of weights without optimizer state (frozen
             layers, or a bare model): their error is never trained away.
-        movement_share: without ``evaluate``, a weight that moved since its reference (the
-            previous checkpoint's reconstruction) may lose at most this share of its squared
-            change: a restore continues from the stored values, so what is lost there is
-            training undone. 0.1 kept the MiniLM fine-tune within the benchmark's bound;
+        movement_share: a weight that moved since its reference (the previous checkpoint's
+            reconstruction) may lose at most this share of its squared change, with
+            ``evaluate`` too: a restore continues from the stored values, so what is lost
+            there is training undone. 0.1 kept the MiniLM fine-tune within the benchmark's bound;
             runs that tolerate more (the digits CNNs) store their weights in fewer bytes
             with more (docs/dynaquant.md, *Trading degradation for bytes*).
         evaluate: ``evaluate(model_state_dict) -> float``, lower is better; called on
-            quantized models during the search.
+            quantized models during the search. It decides instead of the proxy, within
+            the bounds it cannot see: frozen weights stay within ``frozen_tolerance`` and
+            moved ones within ``movement_share`` (in the proxy's units).
         bins, embedding_bins, prune, protect: the search grid, each from the least to the
             most aggressive setting (the paper's grid, extended to finer bins: the benchmark's
             frequent restores need them).
