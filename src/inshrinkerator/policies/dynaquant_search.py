@@ -28,7 +28,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Optional
 
 import torch
@@ -329,12 +329,16 @@ class ConfigurationCube:
             return not self.tensor_error(index, point, metric) > self.budget
         return index not in self.caps or self.result(index, point, metric).error <= self.caps[index]
 
-    def _within_caps(self, point: Point, metric: str) -> bool:
-        # The tensor that failed last first: it usually fails again.
-        order = [i for i in self.caps if i != self._hardest]
-        if self._hardest in self.caps:
+    def _hardest_first(self, indices: Iterable[int]) -> list[int]:
+        # The tensor that put the last point over budget goes first: it usually fails again.
+        order = list(indices)
+        if self._hardest in order:
+            order.remove(self._hardest)
             order.insert(0, self._hardest)
-        for index in order:
+        return order
+
+    def _within_caps(self, point: Point, metric: str) -> bool:
+        for index in self._hardest_first(self.caps):
             if not self.within_own_budget(index, point, metric):
                 self._hardest = index
                 return False
@@ -402,12 +406,8 @@ class ConfigurationCube:
         key = (point, metric)
         if self.evaluate is not None or key in self._quality:
             return self.quality(point, metric) <= self.budget
-        order = list(self.trials)
-        if self._hardest in self.trials:
-            order.remove(self._hardest)
-            order.insert(0, self._hardest)
         worst = 0.0
-        for index in order:
+        for index in self._hardest_first(self.trials):
             error = self.tensor_error(index, point, metric)
             if error > self.budget:
                 self._hardest = index
