@@ -139,7 +139,7 @@ def save(
 
     Args:
         state: nested dict/list/tuple of tensors and plain values.
-        policy: a policy name or object (default: lossless).
+        policy: a policy name, spec (``"cnr:bits=4"``) or object (default: lossless).
         base: a reference state (or a path to an ``.ink`` file holding one): tensors with the
             same key path, dtype and shape are stored as deltas against it. Loading then
             needs the same base.

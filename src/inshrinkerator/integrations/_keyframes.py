@@ -67,7 +67,8 @@ class KeyframeStore:
 
     Args:
         root: the keyframe folder (created on first save).
-        policy: a policy name or object; the default is the manager's default policy.
+        policy: a policy name, spec (``"dynaquant:tolerance=0.01"``) or object; the default
+            is the manager's default policy.
         full_every: a new keyframe every this many saves (1: every save is a keyframe).
 
     Thread-safe: a save may run on a background thread (e.g. Lightning's

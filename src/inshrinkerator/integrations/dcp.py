@@ -225,7 +225,8 @@ class InkStorageWriter(StorageWriter):
     Args:
         path: the checkpoint folder (local path or fsspec URL); ``dcp.save(checkpoint_id=...)``
             may set it instead.
-        policy: a policy name or object (default: the manager's default policy).
+        policy: a policy name, spec (``"dynaquant:tolerance=0.01"``) or object (default:
+            the manager's default policy).
 
     After a save, :attr:`last_shard` holds this rank's file name and :attr:`last_info`
     its sizes (``raw_bytes``, ``stored_bytes``).

@@ -73,7 +73,8 @@ class InkCheckpointIO(CheckpointIO):
     """Saves Lightning checkpoints compressed; loads them back; deletes them safely.
 
     Args:
-        policy: a policy name or object (default: the manager's default policy).
+        policy: a policy name, spec (``"dynaquant:tolerance=0.01"``) or object (default:
+            the manager's default policy).
         full_every: a new keyframe every this many saves in a folder; the others are
             deltas against it.
 

@@ -79,7 +79,8 @@ class InkTrainerMixin:
     """Put in front of a ``transformers.Trainer`` (sub)class to compress its checkpoints.
 
     Keyword args (besides the Trainer's own):
-        ink_policy: a policy name or object (default: the manager's default policy).
+        ink_policy: a policy name, spec (``"dynaquant:tolerance=0.01"``) or object (default:
+            the manager's default policy).
         ink_full_every: a new keyframe every this many checkpoints.
         ink_watch: let the policy watch the model (what ``CheckpointManager.watch`` does):
             DynaQuant then ranks weights by gradient sensitivity and keeps layers the model

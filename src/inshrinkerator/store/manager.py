@@ -133,7 +133,8 @@ class CheckpointManager:
     Args:
         path_or_url: local directory, or an fsspec URL (``memory://...``, ``s3://bucket/run``).
             Nothing is created until the first ``save``.
-        policy: a policy name or object; ``None`` means :func:`default_policy_name`.
+        policy: a policy name, spec (``"dynaquant:tolerance=0.01"``) or object; ``None``
+            means :func:`default_policy_name`.
         full_every: a full checkpoint every this many saves (the first save is full); the
             others are deltas against the previous step's *reconstruction* (closed loop:
             lossy error never accumulates along a chain). Bounds every chain's length.
