@@ -264,7 +264,7 @@ def paired_restores(workload_name: str, seed: int, quick: bool, specs: list[str]
              "deg_pct_by_checkpoint": values, "deg_pct_mean": sum(values) / len(values),
              "deg_pct_max": max(values), "raw_bytes": raw_bytes, "stored_bytes": stored[spec][0],
              "cr_full": raw_bytes / stored[spec][0], "class_bytes": stored[spec][1],
-             **_dynaquant_extras(policies[spec])}
+             **_dynaquant_extras([policies[spec]])}
             for spec, values in rows.items()]
 
 
