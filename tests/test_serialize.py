@@ -93,3 +93,20 @@ def test_a_full_checkpoint_references_nothing() -> None:
     with _reader(_written(_state(0.0))) as reader:
         assert referenced_keys(reader) == set()
         assert torch.equal(read_tensors(reader, {"model/weight"})["model/weight"], _state(0.0)["model"]["weight"])
+
+
+def test_write_state_plans_with_the_state_it_flattened() -> None:
+    from inshrinkerator.policies import Lossless
+
+    class Recording(Lossless):
+        seen: list = []
+
+        def plan_state(self, state, leaves, references):
+            Recording.seen.append((state, [leaf.path for leaf in leaves]))
+            return super().plan_state(state, leaves, references)
+
+    state = _state(0.5)
+    write_state(io.BytesIO(), state, Recording())
+    (seen_state, paths), = Recording.seen
+    assert seen_state is state
+    assert ("model", "weight") in paths and ("optimizer", "exp_avg") in paths

@@ -73,7 +73,7 @@ def write_state(
     flat = flatten(state)
     keys = [format_key_path(leaf.path) for leaf in flat.tensors]
     refs = [references.get(key) if references else None for key in keys]
-    codecs = _exact_where_not_finite(flat.tensors, refs, policy.plan(flat.tensors, refs))
+    codecs = _exact_where_not_finite(flat.tensors, refs, policy.plan_state(state, flat.tensors, refs))
     writer = ContainerWriter()
     total = sum(leaf.tensor.numel() * leaf.tensor.element_size() for leaf in flat.tensors)
     raw_bytes = 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inshrinkerator.policies.state_layout import TensorRole, layout_of
+from inshrinkerator.policies.state_layout import TensorRole, layout_of, param_group_ids
 from inshrinkerator.tree import flatten, format_key_path
 
 from ..helpers import training_state
@@ -13,9 +13,10 @@ from ..helpers import training_state
 R = TensorRole
 
 
-def describe(state) -> tuple[dict[str, TensorRole], dict[str, str | None], object, list]:
+def describe(state, by_group: bool = False, frozen_keys: tuple[str, ...] = ()) -> tuple[dict[str, TensorRole], dict[str, str | None], object, list]:
     leaves = flatten(state).tensors
-    layout = layout_of(leaves)
+    frozen = [i for i, leaf in enumerate(leaves) if format_key_path(leaf.path) in frozen_keys]
+    layout = layout_of(leaves, param_group_ids(state, leaves) if by_group else None, frozen)
     keys = [format_key_path(leaf.path) for leaf in leaves]
     roles = dict(zip(keys, layout.roles))
     paired = {
@@ -207,3 +208,55 @@ def test_model_only_state_and_non_float_tensors() -> None:
 def test_empty_state() -> None:
     layout = layout_of([])
     assert layout.roles == () and layout.parameter_of == ()
+
+
+def _split_state(model: torch.nn.Module, trained: list[torch.nn.Parameter]) -> dict:
+    """AdamW over ``trained``, matrices in one group and vectors in another (weight decay on the
+    matrices only), as transformer recipes do: ids are not in the state dict's order."""
+    decay = [p for p in trained if p.dim() >= 2]
+    rest = [p for p in trained if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}])
+    sum(p.sum() for p in trained).backward()
+    optimizer.step()
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+
+
+def test_param_groups_pair_a_decay_split_that_in_order_matching_gives_up_on() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    state = _split_state(model, list(model.parameters()))
+    _, unpaired, _, _ = describe(state)
+    assert all(p is None for p in unpaired.values())
+    _, paired, _, _ = describe(state, by_group=True)
+    # Ids: the matrices 0.weight, 2.weight, 3.weight, then the vectors in model order.
+    expected = ["0.weight", "2.weight", "3.weight", "0.bias", "1.weight", "1.bias", "2.bias", "3.bias"]
+    for identifier, key in enumerate(expected):
+        assert paired[f"optimizer/state/{identifier}/exp_avg"] == f"model/{key}"
+        assert paired[f"optimizer/state/{identifier}/exp_avg_sq"] == f"model/{key}"
+
+
+def test_param_groups_skip_frozen_weights_of_the_same_shape() -> None:
+    # A fine-tune trains the second of two equal layers: matched in order, its moments would
+    # land on the first, frozen one; told which are frozen, they land on their own.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    for parameter in model[0].parameters():
+        parameter.requires_grad_(False)
+    state = _split_state(model, list(model[1].parameters()))
+    _, wrong, _, _ = describe(state, by_group=True)
+    assert wrong["optimizer/state/0/exp_avg"] == "model/0.weight"
+    _, paired, _, _ = describe(state, by_group=True, frozen_keys=("model/0.weight", "model/0.bias"))
+    assert paired["optimizer/state/0/exp_avg"] == "model/1.weight"
+    assert paired["optimizer/state/1/exp_avg"] == "model/1.bias"
+
+
+def test_param_group_ids_reads_only_well_formed_groups() -> None:
+    model = torch.nn.Linear(3, 3)
+    state = adam_state(model)
+    leaves = flatten(state).tensors
+    assert param_group_ids(state, leaves) == {("optimizer",): [[0, 1]]}
+    state["optimizer"]["param_groups"][0]["params"] = ["0", 1]
+    assert param_group_ids(state, leaves) == {}
+    del state["optimizer"]["param_groups"]
+    assert param_group_ids(state, leaves) == {}
+    assert param_group_ids({"model": model.state_dict()}, flatten({"model": model.state_dict()}).tensors) == {}

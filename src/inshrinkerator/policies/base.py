@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -33,6 +33,19 @@ class Policy(ABC):
         references: Sequence[Optional[torch.Tensor]],
     ) -> list[Codec]:
         """One codec per leaf, in order."""
+
+    def plan_state(
+        self,
+        state: Any,
+        leaves: Sequence[TensorLeaf],
+        references: Sequence[Optional[torch.Tensor]],
+    ) -> list[Codec]:
+        """:meth:`plan` for ``leaves`` flattened from ``state``; what the writers call.
+
+        A policy that reads the state's plain values (an optimizer's param groups)
+        overrides this; the default ignores ``state``.
+        """
+        return self.plan(leaves, references)
 
     def before_save(self) -> None:
         """Called on the training thread at every save, before the state is copied or

@@ -71,13 +71,13 @@ from ..codecs.lossy_input import working_dtype
 from ..codecs.log_sketch import MAGNITUDE_KEYS, SIGNED_KEYS, magnitude_keys, signed_keys
 from ..codecs.nonuniform_quantizer import FIRST_NON_FINITE_KEY, LOG, LevelTable, key_centres
 from ..codecs.weighted_kmeans import float32_levels, histogram_sample_weights
-from ..tree import TensorLeaf, format_key_path
+from ..tree import KeyPath, TensorLeaf, format_key_path
 from .base import Policy
 from .dynaquant_search import ConfigurationCube, Point
 from .gradient_watch import GradientWatch
 from .lossless import Lossless
 from .quantization_trials import MAGNITUDE, TrialConfig, WeightTrial, quantile_key
-from .state_layout import StateLayout, TensorRole, layout_of, optimizer_entry_name
+from .state_layout import StateLayout, TensorRole, layout_of, optimizer_entry_name, param_group_ids
 
 __all__ = ["DynaQuant", "PROXY_SCALE", "SearchRecord"]
 
@@ -290,9 +290,32 @@ class DynaQuant(Policy):
         leaves: Sequence[TensorLeaf],
         references: Sequence[Optional[torch.Tensor]],
     ) -> list[Codec]:
+        return self._plan(leaves, references, None)
+
+    def plan_state(
+        self,
+        state: Any,
+        leaves: Sequence[TensorLeaf],
+        references: Sequence[Optional[torch.Tensor]],
+    ) -> list[Codec]:
+        """:meth:`plan`, pairing optimizer entries with weights by the state's param groups."""
+        return self._plan(leaves, references, param_group_ids(state, leaves))
+
+    def _plan(
+        self,
+        leaves: Sequence[TensorLeaf],
+        references: Sequence[Optional[torch.Tensor]],
+        param_groups: Optional[dict[KeyPath, list[list[int]]]],
+    ) -> list[Codec]:
         codecs = Lossless().plan(leaves, references)
-        layout = layout_of(leaves)
-        self._memory.watch.refresh()
+        watch = self._memory.watch
+        watch.refresh()
+        # The watched model's frozen parameters (and buffers) are no optimizer entry's weight.
+        frozen = [
+            i for i, leaf in enumerate(leaves)
+            if param_groups and watch.watching and leaf.tensor.is_floating_point() and watch.trains(leaf) is False
+        ]
+        layout = layout_of(leaves, param_groups, frozen)
         eligible = [
             leaf.tensor.dtype.is_floating_point and leaf.tensor.numel() >= self.min_numel for leaf in leaves
         ]

@@ -32,23 +32,29 @@ sit between parameters in a state dict; parameters without optimizer state leave
 gaps in the ids). If the matching runs out of weights, or two optimizers claim
 the same weight, that optimizer's entries stay unpaired: pairing only steers
 compression decisions, never correctness, so an unsure match is dropped.
+
+Given the optimizer's param groups (:func:`param_group_ids`, read from the state),
+each group's ids are matched in order on their own, among the weights no earlier group
+took and that are not known to be frozen. ``torch.optim`` numbers the parameters group
+after group, so a decay / no-decay split (matrices first, then vectors) is not the state
+dict's order: the plain matching gives up on it.
 """
 
 from __future__ import annotations
 
 import enum
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
 from ..tree import KeyPath, TensorLeaf
 
 __all__ = [
-    "TensorRole", "StateLayout", "layout_of", "optimizer_entry_name", "MODULE_BUFFER_NAMES", "OPTIMIZER_ENTRY_ROLES",
-    "EXACT_WITH",
+    "TensorRole", "StateLayout", "layout_of", "optimizer_entry_name", "param_group_ids", "MODULE_BUFFER_NAMES",
+    "OPTIMIZER_ENTRY_ROLES", "EXACT_WITH",
 ]
 
 
@@ -165,8 +171,86 @@ def _match_in_order(
     return matched
 
 
-def layout_of(leaves: Sequence[TensorLeaf]) -> StateLayout:
-    """Classify every leaf of a flattened state and pair optimizer entries with weights."""
+def _match_by_group(
+    entries: dict[int, dict[TensorRole, int]],
+    leaves: Sequence[TensorLeaf],
+    weights: list[int],
+    groups: Sequence[Sequence[int]],
+    frozen: Collection[int],
+) -> dict[int, int]:
+    """Optimizer id -> weight leaf index, each group's ids matched in order among the
+    weights not taken by an earlier group nor frozen (an id without a match is left out)."""
+    matched: dict[int, int] = {}
+    taken = set(frozen)
+    for group in groups:
+        position = 0
+        for identifier in group:
+            if identifier not in entries:
+                continue
+            shapes = {tuple(leaves[i].tensor.shape) for i in entries[identifier].values()}
+            if len(shapes) != 1:
+                continue
+            (shape,) = shapes
+            found = next(
+                (p for p in range(position, len(weights))
+                 if weights[p] not in taken and tuple(leaves[weights[p]].tensor.shape) == shape),
+                None,
+            )
+            if found is None:
+                continue
+            matched[identifier] = weights[found]
+            taken.add(weights[found])
+            position = found + 1
+    return matched
+
+
+def _child(node: Any, key: Union[str, int]) -> Any:
+    """``node[key]`` for a key path element (keys other than str and int appear as their str)."""
+    if isinstance(node, Mapping):
+        if key in node:
+            return node[key]
+        return next((value for candidate, value in node.items() if str(candidate) == str(key)), None)
+    if isinstance(node, (list, tuple)) and isinstance(key, int) and 0 <= key < len(node):
+        return node[key]
+    return None
+
+
+def param_group_ids(state: Any, leaves: Sequence[TensorLeaf]) -> dict[KeyPath, list[list[int]]]:
+    """Optimizer root -> the parameter ids of each of its param groups, in order, for every
+    optimizer state in ``state`` (the state ``leaves`` were flattened from) that has
+    ``param_groups`` with integer ``params`` lists."""
+    roots = dict.fromkeys(entry[0] for entry in map(_optimizer_entry, (leaf.path for leaf in leaves)) if entry)
+    found: dict[KeyPath, list[list[int]]] = {}
+    for root in roots:
+        node = state
+        for key in root:
+            node = _child(node, key)
+            if node is None:
+                break
+        groups = _child(node, "param_groups") if node is not None else None
+        if not isinstance(groups, (list, tuple)):
+            continue
+        ids = [group.get("params") if isinstance(group, Mapping) else None for group in groups]
+        if all(
+            isinstance(params, (list, tuple))
+            and all(isinstance(i, int) and not isinstance(i, bool) for i in params)
+            for params in ids
+        ):
+            found[root] = [list(params) for params in ids]
+    return found
+
+
+def layout_of(
+    leaves: Sequence[TensorLeaf],
+    param_groups: Optional[Mapping[KeyPath, Sequence[Sequence[int]]]] = None,
+    frozen: Collection[int] = (),
+) -> StateLayout:
+    """Classify every leaf of a flattened state and pair optimizer entries with weights.
+
+    ``param_groups`` (from :func:`param_group_ids`) pairs each group on its own, skipping
+    the weight leaves in ``frozen`` (known not to train); without them, ids are matched
+    in order across the whole optimizer.
+    """
     roles: list[TensorRole] = []
     roots: dict[KeyPath, dict[int, dict[TensorRole, int]]] = {}
     entries = [_optimizer_entry(leaf.path) for leaf in leaves]
@@ -200,7 +284,11 @@ def layout_of(leaves: Sequence[TensorLeaf]) -> StateLayout:
     by_entry = {index: group for per_id in roots.values() for group in per_id.values() for index in group.values()}
     matches: dict[KeyPath, dict[int, int]] = {}
     for root, per_id in roots.items():
-        matched = _match_in_order({i: e for i, e in per_id.items() if e}, leaves, weights)
+        with_moments = {i: e for i, e in per_id.items() if e}
+        if param_groups is not None and root in param_groups:
+            matched = _match_by_group(with_moments, leaves, weights, param_groups[root], frozen)
+        else:
+            matched = _match_in_order(with_moments, leaves, weights)
         if matched is not None:
             matches[root] = matched
     claims = Counter(weight for matched in matches.values() for weight in matched.values())
