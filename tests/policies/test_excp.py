@@ -145,3 +145,33 @@ def test_config_round_trip_and_bad_knobs() -> None:
     for knobs in ({"bits": 0}, {"alpha": -1.0}, {"beta": float("inf")}, {"lzma_preset": 10}, {"min_numel": 0}):
         with pytest.raises(ValueError):
             ExCP(**knobs)
+
+
+def test_moments_join_their_own_weights_masks_under_a_decay_split(tmp_path: Path) -> None:
+    # A frozen layer, then a trained one of the same shape, with AdamW's decay / no-decay
+    # groups (matrices, then vectors): in parameter order the trained layer's moments would
+    # meet the frozen layer, whose residual is all zero, and be pruned away entirely.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    for parameter in model[0].parameters():
+        parameter.requires_grad_(False)
+    trained = list(model[1].parameters())
+    optimizer = torch.optim.AdamW([{"params": [trained[0]]}, {"params": [trained[1]], "weight_decay": 0.0}])
+
+    def train(steps: int) -> dict:
+        for _ in range(steps):
+            optimizer.zero_grad()
+            model(torch.randn(16, 64)).pow(2).mean().backward()
+            optimizer.step()
+        return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+
+    ink.save(train(5), tmp_path / "a.ink", policy="lossless")
+    base = ink.load(tmp_path / "a.ink")
+    current = train(5)
+    ink.save(current, tmp_path / "b.ink", policy="excp", base=base)
+    loaded = ink.load(tmp_path / "b.ink", base=base)
+    kept = loaded["model"]["1.weight"] != base["model"]["1.weight"]  # residuals the weight kept
+    first = current["optimizer"]["state"][0]["exp_avg"]
+    restored = loaded["optimizer"]["state"][0]["exp_avg"]
+    assert bool((restored != 0).any())
+    assert torch.equal(restored != 0, (first.abs() > 2.0 * first.abs().mean()) & kept)

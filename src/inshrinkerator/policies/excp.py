@@ -22,6 +22,9 @@ Choices where the paper leaves a detail open:
   whole weights is ExCP's worst ablation row ("quantize only"), so such weights
   are stored losslessly; the moments are still pruned and quantized, with the
   weight condition dropped from their mask.
+- Pairing moments with weights: by the saved ``param_groups``, each group in order
+  (a decay / no-decay split is not the state dict's order), skipping weights equal to
+  their reference (frozen). Without the state (``plan``), in parameter order.
 - Weights with no paired ``exp_avg_sq`` (SGD, or pairing failed): the pruning
   threshold is defined by the second moment, so their residual is not pruned
   (only quantized). Moments with no paired weight use the momentum condition alone.
@@ -40,17 +43,18 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 from ..codecs import Codec, KMeansQuantizeCodec, ResidualCodec
+from ..codecs.base import same_bits
 from ..codecs.lossy_input import working_dtype
-from ..tree import TensorLeaf
+from ..tree import KeyPath, TensorLeaf
 from .base import Policy
 from .lossless import Lossless
 from .lossy_eligibility import check_common_knobs, quantizable, usable_reference
-from .state_layout import StateLayout, TensorRole, layout_of
+from .state_layout import StateLayout, TensorRole, layout_of, param_group_ids
 
 __all__ = ["ExCP", "weight_prune_multiplier"]
 
@@ -128,8 +132,34 @@ class ExCP(Policy):
         leaves: Sequence[TensorLeaf],
         references: Sequence[Optional[torch.Tensor]],
     ) -> list[Codec]:
+        return self._plan(leaves, references, None)
+
+    def plan_state(
+        self,
+        state: Any,
+        leaves: Sequence[TensorLeaf],
+        references: Sequence[Optional[torch.Tensor]],
+    ) -> list[Codec]:
+        """:meth:`plan`, pairing optimizer entries with weights by the state's param groups."""
+        return self._plan(leaves, references, param_group_ids(state, leaves))
+
+    def _plan(
+        self,
+        leaves: Sequence[TensorLeaf],
+        references: Sequence[Optional[torch.Tensor]],
+        param_groups: Optional[dict[KeyPath, list[list[int]]]],
+    ) -> list[Codec]:
         codecs = Lossless().plan(leaves, references)
         layout = layout_of(leaves)
+        if param_groups:
+            # A weight bit for bit equal to its reference did not train since: it is no
+            # entry's weight (a fine-tune's frozen layers share their shapes with trained ones).
+            frozen = []
+            for index in layout.indices(TensorRole.WEIGHT):
+                reference = usable_reference(leaves[index].tensor, references[index])
+                if reference is not None and same_bits(leaves[index].tensor, reference):
+                    frozen.append(index)
+            layout = layout_of(leaves, param_groups, frozen)
         eligible = [quantizable(leaf.tensor, self.min_numel) for leaf in leaves]
         quantizer = self._quantizer()
         weight_masks = self._weight_keep_masks(leaves, references, layout, eligible)
