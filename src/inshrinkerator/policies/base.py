@@ -9,9 +9,10 @@ from typing import Any, Optional
 import torch
 
 from ..codecs.base import Codec
-from ..tree import TensorLeaf
+from ..tree import KeyPath, TensorLeaf
+from .state_layout import param_group_ids
 
-__all__ = ["Policy"]
+__all__ = ["Policy", "ParamGroupPolicy"]
 
 
 class Policy(ABC):
@@ -54,3 +55,36 @@ class Policy(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+class ParamGroupPolicy(Policy):
+    """A policy that pairs optimizer entries with weights by the saved param groups.
+
+    Given the state (:meth:`plan_state`, what the writers call), it reads each
+    optimizer's ``param_groups`` (:func:`~.state_layout.param_group_ids`); given only
+    the leaves (:meth:`plan`), it matches the ids in parameter order.
+    """
+
+    def plan(
+        self,
+        leaves: Sequence[TensorLeaf],
+        references: Sequence[Optional[torch.Tensor]],
+    ) -> list[Codec]:
+        return self.plan_grouped(leaves, references, None)
+
+    def plan_state(
+        self,
+        state: Any,
+        leaves: Sequence[TensorLeaf],
+        references: Sequence[Optional[torch.Tensor]],
+    ) -> list[Codec]:
+        return self.plan_grouped(leaves, references, param_group_ids(state, leaves))
+
+    @abstractmethod
+    def plan_grouped(
+        self,
+        leaves: Sequence[TensorLeaf],
+        references: Sequence[Optional[torch.Tensor]],
+        param_groups: Optional[dict[KeyPath, list[list[int]]]],
+    ) -> list[Codec]:
+        """One codec per leaf; ``param_groups`` as :func:`~.state_layout.layout_of` takes them."""

@@ -72,12 +72,12 @@ from ..codecs.log_sketch import MAGNITUDE_KEYS, SIGNED_KEYS, magnitude_keys, sig
 from ..codecs.nonuniform_quantizer import FIRST_NON_FINITE_KEY, LOG, LevelTable, key_centres
 from ..codecs.weighted_kmeans import float32_levels, histogram_sample_weights
 from ..tree import KeyPath, TensorLeaf, format_key_path
-from .base import Policy
+from .base import ParamGroupPolicy
 from .dynaquant_search import ConfigurationCube, Point
 from .gradient_watch import GradientWatch
 from .lossless import Lossless
 from .quantization_trials import MAGNITUDE, TrialConfig, WeightTrial, quantile_key
-from .state_layout import StateLayout, TensorRole, layout_of, optimizer_entry_name, param_group_ids
+from .state_layout import StateLayout, TensorRole, layout_of, optimizer_entry_name
 
 __all__ = ["DynaQuant", "PROXY_SCALE", "SearchRecord"]
 
@@ -159,7 +159,7 @@ def _equal_to_reference(
 
 
 @dataclass(frozen=True)
-class DynaQuant(Policy):
+class DynaQuant(ParamGroupPolicy):
     """Dynamic non-uniform quantization with a quality-controlled search (the default policy).
 
     Args:
@@ -285,23 +285,7 @@ class DynaQuant(Policy):
         """The entropy stage's bytes against the order-0 entropy of its symbols, so far."""
         return self._memory.entropy
 
-    def plan(
-        self,
-        leaves: Sequence[TensorLeaf],
-        references: Sequence[Optional[torch.Tensor]],
-    ) -> list[Codec]:
-        return self._plan(leaves, references, None)
-
-    def plan_state(
-        self,
-        state: Any,
-        leaves: Sequence[TensorLeaf],
-        references: Sequence[Optional[torch.Tensor]],
-    ) -> list[Codec]:
-        """:meth:`plan`, pairing optimizer entries with weights by the state's param groups."""
-        return self._plan(leaves, references, param_group_ids(state, leaves))
-
-    def _plan(
+    def plan_grouped(
         self,
         leaves: Sequence[TensorLeaf],
         references: Sequence[Optional[torch.Tensor]],

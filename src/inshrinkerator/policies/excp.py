@@ -43,7 +43,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
@@ -51,10 +51,10 @@ from ..codecs import Codec, KMeansQuantizeCodec, ResidualCodec
 from ..codecs.base import same_bits
 from ..codecs.lossy_input import working_dtype
 from ..tree import KeyPath, TensorLeaf
-from .base import Policy
+from .base import ParamGroupPolicy
 from .lossless import Lossless
 from .lossy_eligibility import check_common_knobs, quantizable, usable_reference
-from .state_layout import StateLayout, TensorRole, layout_of, param_group_ids
+from .state_layout import StateLayout, TensorRole, layout_of
 
 __all__ = ["ExCP", "weight_prune_multiplier"]
 
@@ -70,7 +70,7 @@ def weight_prune_multiplier(second_moment: Optional[torch.Tensor], alpha: float,
 
 
 @dataclass(frozen=True)
-class ExCP(Policy):
+class ExCP(ParamGroupPolicy):
     """ExCP: residual + joint weight-momentum pruning + k-means with a zero code + LZMA.
 
     Args:
@@ -127,23 +127,7 @@ class ExCP(Policy):
             masks[index] = residual > threshold
         return masks
 
-    def plan(
-        self,
-        leaves: Sequence[TensorLeaf],
-        references: Sequence[Optional[torch.Tensor]],
-    ) -> list[Codec]:
-        return self._plan(leaves, references, None)
-
-    def plan_state(
-        self,
-        state: Any,
-        leaves: Sequence[TensorLeaf],
-        references: Sequence[Optional[torch.Tensor]],
-    ) -> list[Codec]:
-        """:meth:`plan`, pairing optimizer entries with weights by the state's param groups."""
-        return self._plan(leaves, references, param_group_ids(state, leaves))
-
-    def _plan(
+    def plan_grouped(
         self,
         leaves: Sequence[TensorLeaf],
         references: Sequence[Optional[torch.Tensor]],
