@@ -20,6 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
+import zstandard
+
 HERE = Path(__file__).resolve().parent
 MAGIC = b"\x89INK\r\n\x1a\n"
 PREAMBLE = struct.Struct("<8sIIQII")
@@ -55,6 +57,13 @@ def forge(
     crc = zlib.crc32(header) if header_crc is None else header_crc
     pad = bytes(aligned(PREAMBLE.size + len(header)) - PREAMBLE.size - len(header)) if padding is None else padding
     return PREAMBLE.pack(magic, version, flags, length, crc, reserved) + header + pad + data
+
+
+def forge_v2(doc: Any = None, data: bytes = b"", *, frame: Optional[bytes] = None) -> bytes:
+    """A version-2 file: the header ``frame`` (by default ``doc`` as one zstd frame), no padding."""
+    if frame is None:
+        frame = zstandard.ZstdCompressor().compress(json.dumps(doc, separators=(",", ":")).encode("utf-8"))
+    return forge(header=frame, data=data, version=2, padding=b"")
 
 
 def section(data: bytes, offset: int = 0) -> list[int]:
@@ -189,7 +198,7 @@ def corpus() -> dict[str, Attack]:
         "empty.ink": (lambda: b"", "FormatError", "too short"),
         "truncated_preamble.ink": (lambda: valid[:20], "CorruptCheckpointError", "truncated inside its preamble"),
         "version_0.ink": (lambda: forge(valid_doc(), W_BYTES, version=0), "FormatError", "version 0 is not supported"),
-        "version_2.ink": (lambda: forge(valid_doc(), W_BYTES, version=2), "FormatError", "version 2 is not supported"),
+        "version_3.ink": (lambda: forge(valid_doc(), W_BYTES, version=3), "FormatError", "version 3 is not supported"),
         "version_max.ink": (lambda: forge(valid_doc(), W_BYTES, version=2**32 - 1), "FormatError", "not supported"),
         "flags_set.ink": (lambda: forge(valid_doc(), W_BYTES, flags=1), "FormatError", "reserved preamble"),
         "reserved_set.ink": (lambda: forge(valid_doc(), W_BYTES, reserved=7), "FormatError", "reserved preamble"),
@@ -294,7 +303,33 @@ def corpus() -> dict[str, Attack]:
         "skeleton_size_negative.ink": (lambda: with_doc(skeleton={"l": [{"t": 0}, {"sz": [-1]}]}), "FormatError", "bad"),
         # -- odd but valid
         "odd_unicode_keys.ink": (_odd_unicode_file, "ok", ""),
+        # -- version 2: the header is one zstd frame of bounded, declared size
+        "v2_header_plain_json.ink": (
+            lambda: forge(valid_doc(), W_BYTES, version=2, padding=b""), "FormatError", "not a zstd frame"),
+        "v2_header_bomb.ink": (
+            lambda: forge_v2(frame=zstandard.ZstdCompressor().compress(b" " * (big_header + 1)), data=W_BYTES),
+            "FormatError", "inflates to 16777217 bytes"),
+        "v2_header_size_unknown.ink": (
+            lambda: forge_v2(frame=_frame_without_size(), data=W_BYTES), "FormatError", "does not declare its size"),
+        "v2_header_two_frames.ink": (
+            lambda: forge_v2(frame=_valid_frame() * 2, data=W_BYTES), "FormatError", "more or less than one zstd frame"),
+        "v2_header_truncated_frame.ink": (
+            lambda: forge_v2(frame=_valid_frame()[:-4], data=W_BYTES), "FormatError", "does not decode"),
+        "v2_section_padded_like_v1.ink": (
+            lambda: forge_v2(dict(valid_doc(), data_bytes=64 + len(W_BYTES),
+                                  tensors=[dict(valid_doc()["tensors"][0], sections=[section(W_BYTES, 64)])]),
+                             bytes(64) + W_BYTES),
+            "FormatError", "next aligned offset 0"),
     }
+
+
+def _valid_frame() -> bytes:
+    return zstandard.ZstdCompressor().compress(json.dumps(valid_doc(), separators=(",", ":")).encode())
+
+
+def _frame_without_size() -> bytes:
+    document = json.dumps(valid_doc(), separators=(",", ":")).encode()
+    return zstandard.ZstdCompressor(write_content_size=False).compress(document)
 
 
 def main(directory: Path = HERE) -> None:

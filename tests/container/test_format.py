@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 from typing import Any, Optional
 
 import pytest
@@ -15,14 +16,19 @@ from inshrinkerator.container import ContainerReader, ContainerWriter
 from inshrinkerator.container.format import (
     ALIGNMENT,
     EXPANSION_ALLOWANCE,
+    FORMAT_VERSION,
     MAGIC,
     MAX_EXPANSION,
     MAX_HEADER_BYTES,
+    READABLE_VERSIONS,
     aligned,
     check_expansion,
+    data_start,
     expansion_limit,
+    pack_header,
     pack_preamble,
     parse_header,
+    unpack_header,
     unpack_preamble,
 )
 from inshrinkerator.errors import CorruptCheckpointError, FormatError
@@ -54,9 +60,29 @@ def constant_codecs(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_preamble_round_trip_and_alignment() -> None:
-    assert unpack_preamble(pack_preamble(123, 0xDEADBEEF), "x") == (123, 0xDEADBEEF)
+    assert unpack_preamble(pack_preamble(123, 0xDEADBEEF), "x") == (FORMAT_VERSION, 123, 0xDEADBEEF)
+    assert unpack_preamble(pack_preamble(5, 7, version=1), "x") == (1, 5, 7)
     assert pack_preamble(1, 0).startswith(MAGIC) and len(pack_preamble(1, 0)) == 32
     assert [aligned(n) for n in (0, 1, ALIGNMENT, ALIGNMENT + 1)] == [0, ALIGNMENT, ALIGNMENT, 2 * ALIGNMENT]
+    # version 1 pads the header and the sections to multiples of 64; version 2 packs them
+    assert [data_start(1, n) for n in (32, 33)] == [64, 128]
+    assert [data_start(2, n) for n in (32, 33)] == [64, 65]
+
+
+@pytest.mark.parametrize("version", READABLE_VERSIONS)
+def test_headers_round_trip_in_every_readable_version(version: int) -> None:
+    document = json.dumps({"format": "inshrinkerator", "meta": {"k": "v" * 500}}).encode()
+    stored = pack_header(document, version)
+    assert unpack_header(stored, version, "x") == document
+    assert (len(stored) < len(document) / 5) == (version == 2)
+
+
+def test_a_version_2_header_is_checked_before_it_is_inflated() -> None:
+    big = zstandard.ZstdCompressor().compress(b" " * (MAX_HEADER_BYTES + 1))
+    with pytest.raises(FormatError, match="inflates to"):
+        unpack_header(big, 2, "x")
+    with pytest.raises(FormatError, match="not a zstd frame"):
+        unpack_header(b'{"format":"inshrinkerator"}', 2, "x")
 
 
 def test_truncated_preamble_is_corruption_and_foreign_bytes_are_format_errors() -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import inshrinkerator as ink
-from inshrinkerator.container.format import FORMAT_VERSION, MAGIC, PREAMBLE
+from inshrinkerator.container.format import FORMAT_VERSION, MAGIC, PREAMBLE, unpack_header
 from inshrinkerator.single_file import open_container
 
 from ..test_tree import assert_exact
@@ -30,26 +30,40 @@ def load_script() -> ModuleType:
 SCRIPT = load_script()
 
 
+ALL = {**SCRIPT.GOLDEN, **SCRIPT.LEGACY}
+
+
 def test_every_golden_file_is_committed() -> None:
-    assert {p.name for p in GOLDEN_DIR.glob("*.ink")} == set(SCRIPT.GOLDEN)
+    assert {p.name for p in GOLDEN_DIR.glob("*.ink")} == set(ALL)
 
 
-@pytest.mark.parametrize("name", sorted(SCRIPT.GOLDEN))
+@pytest.mark.parametrize("name", sorted(ALL))
 def test_golden_file_decodes_to_its_state(name: str) -> None:
-    make_state, make_base = SCRIPT.GOLDEN[name]
+    make_state, make_base = ALL[name]
     base = make_base() if make_base else None
     assert_exact(make_state(), ink.load(GOLDEN_DIR / name, base=base))
 
 
-@pytest.mark.parametrize("name", sorted(SCRIPT.GOLDEN))
+@pytest.mark.parametrize("name", sorted(ALL))
 def test_golden_file_layout(name: str) -> None:
     data = (GOLDEN_DIR / name).read_bytes()
     magic, version, flags, header_length, _, reserved = PREAMBLE.unpack(data[: PREAMBLE.size])
-    assert (magic, version, flags, reserved) == (MAGIC, FORMAT_VERSION, 0, 0)
-    header = json.loads(data[PREAMBLE.size : PREAMBLE.size + header_length])
+    expected_version = 1 if name in SCRIPT.LEGACY else FORMAT_VERSION
+    assert (magic, version, flags, reserved) == (MAGIC, expected_version, 0, 0)
+    header = json.loads(unpack_header(data[PREAMBLE.size : PREAMBLE.size + header_length], version, name))
     assert header["format"] == "inshrinkerator" and header["meta"]["policy"] == "lossless"
     with open_container(GOLDEN_DIR / name) as reader:
+        assert reader.version == expected_version
         assert reader.verify() == sum(r.stored_bytes for r in reader.header.tensors)
+
+
+def test_version_2_golden_files_have_no_padding() -> None:
+    for name in SCRIPT.GOLDEN:
+        with open_container(GOLDEN_DIR / name) as reader:
+            stored = sum(r.stored_bytes for r in reader.header.tensors)
+            assert all(section.padding == 0 for r in reader.header.tensors for section in r.sections)
+            assert reader.file_bytes == reader.data_start + stored
+            assert reader.data_start == PREAMBLE.size + PREAMBLE.unpack((GOLDEN_DIR / name).read_bytes()[:32])[3]
 
 
 def test_golden_files_cover_every_codec_the_lossless_policy_writes() -> None:

@@ -14,13 +14,14 @@ from typing import Any
 
 import pytest
 import torch
+import zstandard
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import inshrinkerator as ink
 from inshrinkerator.codecs.registry import registered_codecs
 from inshrinkerator.container import ContainerReader
-from inshrinkerator.container.format import MAX_HEADER_BYTES, PREAMBLE, aligned, parse_header
+from inshrinkerator.container.format import MAX_HEADER_BYTES, PREAMBLE, data_start, parse_header, unpack_header
 from inshrinkerator.errors import BrokenChainError, CorruptCheckpointError, FormatError, InkError
 from inshrinkerator.policies import resolve_policy
 from inshrinkerator.serialize import read_state, write_state
@@ -69,13 +70,13 @@ def expect_refusal(data: bytes) -> InkError:
 
 
 def header_doc(data: bytes) -> dict[str, Any]:
-    length = PREAMBLE.unpack(data[: PREAMBLE.size])[3]
-    return json.loads(data[PREAMBLE.size : PREAMBLE.size + length])
+    version, length = PREAMBLE.unpack(data[: PREAMBLE.size])[1:4:2]
+    return json.loads(unpack_header(data[PREAMBLE.size : PREAMBLE.size + length], version, "x"))
 
 
 def data_region(data: bytes) -> bytes:
-    length = PREAMBLE.unpack(data[: PREAMBLE.size])[3]
-    return data[aligned(PREAMBLE.size + length) :]
+    version, length = PREAMBLE.unpack(data[: PREAMBLE.size])[1:4:2]
+    return data[data_start(version, length) :]
 
 
 def test_small_file_is_valid_and_fully_covered(small_file: bytes) -> None:
@@ -114,6 +115,15 @@ def test_random_damage_is_always_detected(small_file: bytes, data: st.DataObject
 @given(st.binary(max_size=300), st.binary(max_size=300))
 def test_arbitrary_header_bytes_with_a_valid_checksum_are_refused(header: bytes, body: bytes) -> None:
     expect_refusal(SCRIPT.forge(header=header or b" ", data=body))
+    expect_refusal(SCRIPT.forge_v2(frame=header or b" ", data=body))
+
+
+@FUZZ
+@given(st.binary(max_size=300), st.binary(max_size=300))
+def test_arbitrary_header_frames_with_a_valid_checksum_are_refused(document: bytes, body: bytes) -> None:
+    """Any zstd frame of bytes that are not a header document, in a version-2 file."""
+    frame = zstandard.ZstdCompressor().compress(document or b" ")
+    expect_refusal(SCRIPT.forge_v2(frame=frame, data=body))
 
 
 # ----------------------------------------------------------------------------- structured fuzz
@@ -172,7 +182,7 @@ def test_forged_headers_are_refused_or_decode_to_their_spec(small_file: bytes, d
         path = data.draw(st.sampled_from(json_paths(doc)))
         how = data.draw(st.sampled_from(["replace", "delete", "nudge", "scale", "duplicate"]))
         doc = mutate(doc, path, how, data.draw(JSON_VALUES))
-    forged = SCRIPT.forge(doc, body)
+    forged = SCRIPT.forge_v2(doc, body)
     started = time.perf_counter()
     try:
         load_bytes(forged)
@@ -245,10 +255,9 @@ def test_every_codec_survives_forged_streams_and_params(
 def forge_record(config: dict, params: dict, streams: list[bytes], tensor: torch.Tensor) -> bytes:
     sections, body, cursor = [], b"", 0
     for stream in streams:
-        offset = aligned(cursor)
-        body += bytes(offset - cursor) + stream
-        sections.append([offset, len(stream), zlib.crc32(stream)])
-        cursor = offset + len(stream)
+        body += stream
+        sections.append([cursor, len(stream), zlib.crc32(stream)])
+        cursor += len(stream)
     doc = {
         "format": "inshrinkerator",
         "data_bytes": cursor,
@@ -257,7 +266,7 @@ def forge_record(config: dict, params: dict, streams: list[bytes], tensor: torch
                      "codec": config, "params": params, "sections": sections, "reference": None}],
         "meta": {},
     }
-    return SCRIPT.forge(doc, body)
+    return SCRIPT.forge_v2(doc, body)
 
 
 # ----------------------------------------------------------------------------- specific cases
@@ -285,6 +294,16 @@ def test_a_maximal_hostile_header_parses_promptly() -> None:
     started = time.perf_counter()
     with pytest.raises(FormatError):
         parse_header(header, "big.ink")
+    assert time.perf_counter() - started < 10
+
+
+def test_a_maximal_hostile_header_in_a_small_frame_is_refused_promptly() -> None:
+    """The same document compressed to a few kB: inflating it is bounded, parsing it prompt."""
+    document = b'{"format":"inshrinkerator","skeleton":[' + b"[]," * ((MAX_HEADER_BYTES - 64) // 3) + b'[]]}'
+    frame = zstandard.ZstdCompressor().compress(document)
+    assert len(frame) < 10_000
+    started = time.perf_counter()
+    expect_refusal(SCRIPT.forge_v2(frame=frame))
     assert time.perf_counter() - started < 10
 
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from inshrinkerator.codecs.base import Encoded, TensorSpec
 from inshrinkerator.container import ContainerReader, ContainerWriter
 from inshrinkerator.container import writer as writer_module
-from inshrinkerator.container.format import ALIGNMENT, PREAMBLE, aligned
+from inshrinkerator.container.format import FORMAT_VERSION, PREAMBLE, unpack_header
 
 RAW = {"id": "raw"}
 
@@ -38,18 +38,20 @@ def write_streams(stream_lists: list[list[bytes]], skeleton: object = None, meta
 @given(st.lists(st.lists(st.binary(max_size=150), max_size=3), max_size=5))
 def test_layout_is_canonical_and_every_byte_is_accounted_for(stream_lists: list[list[bytes]]) -> None:
     data = write_streams(stream_lists)
-    header_length = PREAMBLE.unpack(data[: PREAMBLE.size])[3]
-    header = json.loads(data[PREAMBLE.size : PREAMBLE.size + header_length])
-    data_start = aligned(PREAMBLE.size + header_length)
-    assert data_start % ALIGNMENT == 0 and set(data[PREAMBLE.size + header_length : data_start]) <= {0}
+    version, header_length = PREAMBLE.unpack(data[: PREAMBLE.size])[1:4:2]
+    assert version == FORMAT_VERSION
+    stored = data[PREAMBLE.size : PREAMBLE.size + header_length]
+    assert zlib.crc32(stored) == PREAMBLE.unpack(data[: PREAMBLE.size])[4]
+    header = json.loads(unpack_header(stored, version, "x"))
+    # the data region follows the header directly, and its sections follow each other
+    data_start = PREAMBLE.size + header_length
     covered = bytearray(len(data) - data_start)
     cursor = 0
     for record, streams in zip(header["tensors"], stream_lists):
         assert len(record["sections"]) == len(streams)
         for (offset, length, crc), stream in zip(record["sections"], streams):
-            assert offset == aligned(cursor) and length == len(stream) and crc == zlib.crc32(stream)
+            assert offset == cursor and length == len(stream) and crc == zlib.crc32(stream)
             assert data[data_start + offset : data_start + offset + length] == stream
-            assert set(data[data_start + cursor : data_start + offset]) <= {0}  # padding
             covered[cursor:offset + length] = b"\1" * (offset + length - cursor)
             cursor = offset + length
     assert header["data_bytes"] == cursor == len(covered) and all(covered)
@@ -60,8 +62,8 @@ def test_layout_is_canonical_and_every_byte_is_accounted_for(stream_lists: list[
 
 def test_header_is_ascii_even_for_unicode_keys() -> None:
     data = write_streams([[b"abc"]], skeleton={"d": [["ключ 🚀", {"t": 0}]]}, meta={"note": "é"})
-    header_length = PREAMBLE.unpack(data[: PREAMBLE.size])[3]
-    assert data[PREAMBLE.size : PREAMBLE.size + header_length].isascii()
+    version, header_length = PREAMBLE.unpack(data[: PREAMBLE.size])[1:4:2]
+    assert unpack_header(data[PREAMBLE.size : PREAMBLE.size + header_length], version, "x").isascii()
 
 
 def test_large_outputs_spill_to_disk_and_stay_exact(monkeypatch: pytest.MonkeyPatch) -> None:

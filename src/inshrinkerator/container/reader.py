@@ -7,7 +7,8 @@ them) when they are read, before any codec sees them. A tensor stored in many
 sections (slices of a large tensor) is read one section at a time, as its codec
 asks for them, so decoding it holds one compressed slice in memory, not all of
 them. Nothing in a file is ever
-executed: the header is JSON, the sections are bytes handed to the registered
+executed: the header is JSON (in version 2 inside one zstd frame whose size is checked
+before it is inflated), the sections are bytes handed to the registered
 codec that the header names.
 """
 
@@ -25,7 +26,7 @@ from ..codecs._parallel import parallel_map
 from ..codecs.registry import get_codec
 from ..codecs.scratch import reusing_scratch
 from ..errors import CorruptCheckpointError, FormatError, InkError
-from .format import PREAMBLE, Header, TensorRecord, aligned, parse_header, unpack_preamble
+from .format import PREAMBLE, Header, TensorRecord, data_start, parse_header, unpack_header, unpack_preamble
 
 __all__ = ["ContainerReader"]
 
@@ -102,8 +103,9 @@ class ContainerReader:
         self.source = source
         size = _file_size(handle)
         handle.seek(0)
-        header_length, header_crc = unpack_preamble(handle.read(PREAMBLE.size), source)
-        self.data_start = aligned(PREAMBLE.size + header_length)
+        version, header_length, header_crc = unpack_preamble(handle.read(PREAMBLE.size), source)
+        self.version = version
+        self.data_start = data_start(version, header_length)
         if self.data_start > size:
             raise CorruptCheckpointError(
                 f"{source}: file is truncated ({size} bytes; its header alone claims {header_length})"
@@ -116,7 +118,7 @@ class ContainerReader:
             raise CorruptCheckpointError(f"{source}: header checksum mismatch; the file is damaged")
         if padding.count(0) != len(padding):
             raise CorruptCheckpointError(f"{source}: the padding after the header is not zero; the file is damaged")
-        self.header: Header = parse_header(raw, source)
+        self.header: Header = parse_header(unpack_header(raw, version, source), source, version)
         expected = self.data_start + self.header.data_bytes
         if size != expected:
             state = "truncated" if size < expected else "followed by unexpected bytes"

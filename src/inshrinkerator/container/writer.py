@@ -10,7 +10,17 @@ from typing import IO, Any, Optional
 
 from ..codecs.base import Encoded, TensorSpec, dtype_name
 from ..errors import FormatError, UnsupportedStateError
-from .format import MAX_HEADER_BYTES, PREAMBLE, aligned, check_expansion, pack_preamble
+from .format import (
+    FORMAT_VERSION,
+    MAX_HEADER_BYTES,
+    PREAMBLE,
+    aligned,
+    check_expansion,
+    data_start,
+    pack_header,
+    pack_preamble,
+    section_alignment,
+)
 
 __all__ = ["ContainerWriter"]
 
@@ -33,6 +43,7 @@ class ContainerWriter:
         self._spool = tempfile.SpooledTemporaryFile(max_size=SPOOL_IN_MEMORY_BYTES)
         self._records: list[dict[str, Any]] = []
         self._cursor = 0
+        self._alignment = section_alignment(FORMAT_VERSION)
 
     def add(
         self,
@@ -57,7 +68,7 @@ class ContainerWriter:
         try:
             for stream in encoded.streams:
                 view = memoryview(stream).cast("B")
-                offset = aligned(self._cursor)
+                offset = aligned(self._cursor, self._alignment)
                 if offset > self._cursor:
                     self._spool.write(b"\0" * (offset - self._cursor))
                 self._spool.write(view)
@@ -96,7 +107,7 @@ class ContainerWriter:
             UnsupportedStateError: the header would exceed the format's size limit (a state
                 with millions of plain values: store long lists of numbers as tensors).
         """
-        header = json.dumps(
+        document = json.dumps(
             {
                 "format": "inshrinkerator",
                 "data_bytes": self._cursor,
@@ -107,20 +118,21 @@ class ContainerWriter:
             separators=(",", ":"),
             allow_nan=False,
         ).encode("utf-8")
-        if len(header) > MAX_HEADER_BYTES:
+        if len(document) > MAX_HEADER_BYTES:
             raise UnsupportedStateError(
-                f"the state's structure needs a {len(header)}-byte header, over the "
+                f"the state's structure needs a {len(document)}-byte header, over the "
                 f"{MAX_HEADER_BYTES}-byte limit of the .ink format; store long lists of plain "
                 "numbers as tensors, or split the state"
             )
+        header = pack_header(document)
         out.write(pack_preamble(len(header), zlib.crc32(header)))
         out.write(header)
-        data_start = aligned(PREAMBLE.size + len(header))
-        out.write(b"\0" * (data_start - PREAMBLE.size - len(header)))
+        start = data_start(FORMAT_VERSION, len(header))
+        out.write(b"\0" * (start - PREAMBLE.size - len(header)))
         self._spool.seek(0)
         shutil.copyfileobj(self._spool, out, length=8 << 20)
         self._spool.close()
-        return data_start + self._cursor
+        return start + self._cursor
 
     def close(self) -> None:
         self._spool.close()

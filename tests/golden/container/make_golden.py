@@ -14,6 +14,10 @@ Files (name -> state, saved with ``ink.save(..., policy="lossless")``):
   a non-contiguous view);
 * ``dtypes.ink``: every stored dtype, with 0-dim, empty and larger tensors;
 * ``tuned_with_base.ink``: :func:`tuned_state` saved with ``base=base_state()``.
+
+The ``v1_*.ink`` files hold the same states in format version 1 (plain JSON header,
+sections aligned to 64 bytes), written by the release before version 2. The script no
+longer writes them: they are kept to show that version-1 files still decode.
 """
 
 from __future__ import annotations
@@ -177,6 +181,9 @@ GOLDEN = {
     "dtypes.ink": (dtype_state, None),
     "tuned_with_base.ink": (tuned_state, base_state),
 }
+
+#: Format version 1 files of the same states (committed; no longer written).
+LEGACY = {f"v1_{name}": build for name, build in GOLDEN.items()}
 
 
 def main(directory: Path = HERE) -> None:
