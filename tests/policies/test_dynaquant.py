@@ -64,7 +64,7 @@ def test_knobs_are_checked() -> None:
     for options in (
         {"tolerance": 0}, {"bins": ()}, {"bins": (0,)}, {"prune": (1.5,)}, {"stickiness": -1},
         {"moment_bins": 0}, {"min_numel": True}, {"evaluate": 3}, {"sigma": 2.0}, {"second_moment": "none"},
-        {"movement_share": 0}, {"movement_share": "0.1"},
+        {"movement_share": 0}, {"movement_share": "0.1"}, {"moment_min_numel": 0},
     ):
         with pytest.raises(ValueError):
             DynaQuant(**options)
@@ -86,6 +86,34 @@ def test_each_tensor_gets_the_codec_of_its_role() -> None:
     assert by_path["optimizer/state/2/exp_avg"].bins == policy.moment_bins
     assert by_path["model/0.bias"].lossless  # small tensors stay exact
     assert all(codec.lossless for path, codec in by_path.items() if path.endswith("/step"))
+
+
+def test_the_moments_of_small_weights_are_quantized_but_not_the_weights() -> None:
+    _, (state,) = _states(1)
+    flat = flatten(state)
+    paths = [format_key_path(leaf.path) for leaf in flat.tensors]
+    by_path = dict(zip(paths, DynaQuant().plan(flat.tensors, [None] * len(flat.tensors))))
+    # the last layer's weight has 320 values: under min_numel, over moment_min_numel
+    assert by_path["model/5.weight"].lossless
+    assert isinstance(by_path["optimizer/state/4/exp_avg"], DynaQuantCodec)
+    assert by_path["optimizer/state/4/exp_avg_sq"].domain == "log"
+    # its bias's 10 values are under both
+    assert by_path["optimizer/state/5/exp_avg"].lossless and by_path["optimizer/state/5/exp_avg_sq"].lossless
+    exact = dict(zip(paths, DynaQuant(moment_min_numel=1024).plan(flat.tensors, [None] * len(flat.tensors))))
+    assert exact["optimizer/state/4/exp_avg"].lossless and exact["optimizer/state/4/exp_avg_sq"].lossless
+    # their bytes are mostly the record and the level table: twice the levels cost little
+    assert by_path["optimizer/state/4/exp_avg"].bins == 2 * by_path["optimizer/state/2/exp_avg"].bins
+    assert by_path["optimizer/state/4/exp_avg_sq"].bins == 2 * by_path["optimizer/state/2/exp_avg_sq"].bins
+
+
+def test_the_first_moments_of_small_weights_are_not_pruned(tmp_path) -> None:
+    _, (state,) = _states(1)
+    ink.save(state, tmp_path / "m.ink", policy=DynaQuant(first_moment_keep=0.1, first_moment_keep_after=0))
+    loaded = ink.load(tmp_path / "m.ink")["optimizer"]["state"]
+    m = state["optimizer"]["state"][4]["exp_avg"]
+    assert float((loaded[2]["exp_avg"] != 0).float().mean()) < 0.13  # the large weight's: pruned
+    # the small weight's: only entries nearer 0 than the smallest level become 0
+    assert float(m.abs()[loaded[4]["exp_avg"] != 0].sum() / m.abs().sum()) > 0.9
 
 
 def test_save_load_keeps_structure_and_everything_exact_that_must_be(tmp_path) -> None:
