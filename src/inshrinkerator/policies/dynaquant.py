@@ -92,6 +92,7 @@ _MOMENTS = _FIRST_ORDER + _POSITIVE
 SECOND_MOMENT_PROTECT = 0.005
 #: Level-count factor of the moments of tensors under ``min_numel`` (biases, norm layers).
 SMALL_MOMENT_LEVEL_FACTOR = 2
+#: The most levels a moment may have (the knobs' bound, and the factor's cap).
 MAX_MOMENT_BINS = 1024
 
 
@@ -213,9 +214,10 @@ class DynaQuant(ParamGroupPolicy):
             MiniLM's full-state ratio from 16.2x to 18.8x and its mean degradation from
             +0.40 % to +0.54 % (8 seeds).
         min_numel: smaller tensors are stored losslessly (moments: ``moment_min_numel``).
-        moment_min_numel: smaller first and second moments are stored losslessly. The
-            moments of biases and norm layers are quantized like any other: stored
-            exactly, they were 7 % of a small transformer's checkpoints.
+        moment_min_numel: smaller first and second moments are stored losslessly. Those
+            of weights under ``min_numel`` (biases, norm layers) get twice the levels and
+            are never pruned; stored exactly, they were 6 % of the char GPT benchmark's
+            bytes.
     """
 
     tolerance: float = 0.003
@@ -272,8 +274,8 @@ class DynaQuant(ParamGroupPolicy):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{knob} must be a positive int, got {value!r}")
         for knob in ("moment_bins", "momentum_bins", "second_moment_bins"):
-            if getattr(self, knob) > 1024:
-                raise ValueError(f"{knob} must be at most 1024")
+            if getattr(self, knob) > MAX_MOMENT_BINS:
+                raise ValueError(f"{knob} must be at most {MAX_MOMENT_BINS}")
 
     # ------------------------------------------------------------------ public
 
@@ -735,7 +737,12 @@ class DynaQuant(ParamGroupPolicy):
             codec: DynaQuantCodec = DynaQuantCodec(bins=bins, prune=0.0, protect=0.0, sigma=self.sigma)
             second = layout.entry_moments(index).get(TensorRole.SECOND_MOMENT)
             partner = leaves[second].tensor if second is not None else None
-            keep = 1.0 if small else self.momentum_keep if role is TensorRole.MOMENTUM_BUFFER else first_keep
+            if small:
+                keep = 1.0
+            elif role is TensorRole.MOMENTUM_BUFFER:
+                keep = self.momentum_keep
+            else:
+                keep = first_keep
             extra: dict[str, Any] = self._first_moment_hints(tensor, keys, counts, role, partner, keep, bins)
         else:
             reference = _usable_reference(tensor, references[index])
