@@ -8,8 +8,10 @@ from inshrinkerator.codecs.log_sketch import SIGNED_KEYS, magnitude_keys, signed
 from inshrinkerator.codecs.nonuniform_quantizer import (
     LINEAR,
     LOG,
+    CentroidFit,
     assign_ids,
     fit_centroids,
+    fit_centroids_batch,
     make_level_table,
     reconstruct,
     stick_to_predicted,
@@ -84,3 +86,21 @@ def test_stickiness_keeps_predicted_levels_within_its_margin() -> None:
     keep = stick_to_predicted(values, positions, ids, predicted, table, stickiness=0.5)
     # Cell half-width towards 2.0 is 0.5; with stickiness 0.5 elements within 0.75 stay.
     assert keep.tolist() == [True, False, False, False]
+
+
+def test_a_batch_of_fits_gives_each_histogram_what_it_gives_alone() -> None:
+    # Linear and log domains, warm starts and an empty histogram in one batch.
+    fits = []
+    for seed in range(6):
+        values = _weights(5_000 * (seed + 1), seed) * 10**-seed
+        domain = LOG if seed % 2 else LINEAR
+        if domain == LOG:
+            values = values.square()
+        counts = torch.bincount(signed_keys(values), minlength=SIGNED_KEYS)
+        init = fit_centroids(counts, 4 + seed, 0.5, domain) if seed >= 4 else None
+        fits.append(CentroidFit(counts, 4 + seed, 0.5, domain, init if init is not None and init.numel() == 4 + seed else None))
+    fits.append(CentroidFit(torch.zeros(SIGNED_KEYS, dtype=torch.long), 8))
+    results = fit_centroids_batch(fits)
+    for fit, result in zip(fits, results):
+        assert torch.equal(result, fit_centroids(*fit))
+    assert results[-1].numel() == 0 and results[0].numel() > 0

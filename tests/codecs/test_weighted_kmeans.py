@@ -8,10 +8,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from inshrinkerator.codecs.weighted_kmeans import (
+    KMeansProblem,
     histogram_sample_weights,
     kmeans_plus_plus_1d,
     nearest_level,
     weighted_kmeans_1d,
+    weighted_kmeans_1d_batch,
 )
 
 
@@ -95,3 +97,39 @@ def test_bad_inputs_are_refused() -> None:
         weighted_kmeans_1d(torch.ones(3), torch.ones(3), 0)
     with pytest.raises(ValueError):
         weighted_kmeans_1d(torch.ones(3), torch.zeros(3), 2)
+
+
+@st.composite
+def _problems(draw: st.DrawFn) -> KMeansProblem:
+    size = draw(st.integers(1, 300))
+    seed = draw(st.integers(0, 1000))
+    generator = torch.Generator().manual_seed(seed)
+    if draw(st.booleans()):
+        points = torch.randn(size, generator=generator, dtype=torch.float64) * 10 ** draw(st.integers(-6, 2))
+    else:  # few distinct values: seeding runs out of points, clusters empty out
+        points = torch.randint(0, draw(st.integers(1, 12)), (size,), generator=generator).double()
+    weights = torch.rand(size, generator=generator, dtype=torch.float64)
+    weights[torch.rand(size, generator=generator) < draw(st.sampled_from([0.0, 0.5]))] = 0.0
+    weights[0] = 1.0
+    k = draw(st.integers(1, 40))
+    init = torch.randn(k, generator=generator, dtype=torch.float64) if draw(st.booleans()) else None
+    return KMeansProblem(points, weights, k, init, draw(st.integers(0, 3)))
+
+
+@settings(max_examples=40, deadline=None)
+@given(problems=st.lists(_problems(), min_size=1, max_size=6), iterations=st.sampled_from([0, 2, 30]))
+def test_a_batch_gives_each_problem_exactly_what_it_gives_alone(problems: list[KMeansProblem], iterations: int) -> None:
+    # Rows of different lengths, level counts and starts share padded buffers; none of that
+    # may change a single bit of any row's result.
+    batched = weighted_kmeans_1d_batch(problems, iterations)
+    for problem, result in zip(problems, batched):
+        alone = weighted_kmeans_1d(problem.points, problem.weights, problem.k, iterations, problem.seed, problem.init)
+        assert torch.equal(result, alone)
+
+
+def test_a_batch_refuses_what_a_single_fit_refuses() -> None:
+    good = KMeansProblem(torch.arange(5.0), torch.ones(5), 2)
+    with pytest.raises(ValueError, match="k must be"):
+        weighted_kmeans_1d_batch([good, KMeansProblem(torch.ones(3), torch.ones(3), 0)])
+    with pytest.raises(ValueError, match="positive weight"):
+        weighted_kmeans_1d_batch([good, KMeansProblem(torch.ones(3), torch.zeros(3), 2)])

@@ -480,6 +480,26 @@ def test_first_moment_levels_are_the_fit_of_the_folded_histogram(bins) -> None:
     assert hints["prune_below"] == max(int(magnitude_keys(torch.tensor([float(levels[0]) / 2]))[0]), 1)
 
 
+def test_first_moment_levels_fitted_together_are_those_fitted_alone() -> None:
+    from inshrinkerator.codecs.log_sketch import SIGNED_KEYS, signed_keys
+    from inshrinkerator.policies.dynaquant import _zero_level_hints_batch, _zero_level_hints_for
+
+    generator = torch.Generator().manual_seed(0)
+    histograms = []
+    for size, scale, bins in ((20_000, 1e-4, 8), (300, 1e-2, 16), (5_000, 1.0, 2), (64, 1e-6, 16)):
+        moment = torch.randn(size, generator=generator) * scale
+        moment[::3] = 0.0
+        histograms.append((torch.bincount(signed_keys(moment), minlength=SIGNED_KEYS), bins))
+    histograms.append((torch.zeros(SIGNED_KEYS, dtype=torch.long), 8))  # an all-zero moment
+    together = _zero_level_hints_batch(histograms, 0.5)
+    for (counts, bins), hints in zip(histograms, together):
+        alone = _zero_level_hints_for(counts, bins, 0.5)
+        assert hints.keys() == alone.keys()
+        for name, value in alone.items():
+            assert torch.equal(hints[name], value) if isinstance(value, torch.Tensor) else hints[name] == value
+    assert together[-1] == {} and together[0]["centroids"].numel() == 8
+
+
 def test_a_weight_that_moved_less_than_its_levels_can_hold_is_stored_as_its_quantized_change() -> None:
     from inshrinkerator.codecs import ResidualCodec
 

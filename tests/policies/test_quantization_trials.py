@@ -18,6 +18,7 @@ from inshrinkerator.policies.quantization_trials import (
     TrialConfig,
     WeightTrial,
     quantile_key,
+    run_trials,
 )
 
 
@@ -144,3 +145,33 @@ def test_sensitivity_trials_keep_what_their_element_masks_keep(
     assert torch.allclose(histogram.mass, expected_mass[histogram.keys], rtol=1e-5)
     assert histogram.pruned_count == float(pruned.sum())
     assert histogram.protected_count == float(protected.sum())
+
+
+def _trials() -> list[WeightTrial]:
+    generator = torch.Generator().manual_seed(5)
+    trials = []
+    for size, scale, sensitive in ((30_000, 0.05, False), (4_000, 1e-3, True), (12_000, 2.0, True)):
+        tensor = torch.randn(size, generator=generator) * scale
+        sensitivity = (tensor * torch.randn(size, generator=generator)).abs() if sensitive else None
+        trials.append(WeightTrial(tensor, "linear", sensitivity, sensitivity, 0.3))
+    return trials
+
+
+def test_trials_run_side_by_side_give_what_each_gives_alone() -> None:
+    # Each trial warm-starts from its earlier runs: rounds of a search run side by side
+    # must leave every trial with the results, in order, of running it alone.
+    rounds = [
+        [(TrialConfig(8, 0.0, 0.0), 0), (TrialConfig(16, 0.1, 0.01, SENSITIVITY), 40), (TrialConfig(4, 0.2, 0.0), 900)],
+        [(TrialConfig(8, 0.1, 0.0), 800), (TrialConfig(8, 0.1, 0.01, SENSITIVITY), 40), (TrialConfig(4, 0.0, 0.01), 0)],
+        [(TrialConfig(8, 0.0, 0.0), 0), (TrialConfig(2, 0.3, 0.0, SENSITIVITY), 60), (TrialConfig(4, 0.2, 0.0), 900)],
+    ]
+    together, alone = _trials(), _trials()
+    for configs in rounds:
+        batched = run_trials([(trial, config, threshold, None) for trial, (config, threshold) in zip(together, configs)])
+        for trial, (config, threshold), result in zip(alone, configs, batched):
+            single = trial.run(config, threshold)
+            assert torch.equal(result.table.values, single.table.values)
+            assert result.error == single.error and result.estimated_bits == single.estimated_bits
+    trial = together[0]
+    with pytest.raises(ValueError, match="once"):
+        run_trials([(trial, TrialConfig(8, 0.0, 0.0), 0, None), (trial, TrialConfig(4, 0.0, 0.0), 0, None)])

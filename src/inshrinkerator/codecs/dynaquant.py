@@ -39,6 +39,7 @@ from .base import Codec, Encoded, TensorSpec
 from .bucket_delta import MAX_LEVELS, EntropyStats, decode_bucket_ids, encode_bucket_ids
 from .log_sketch import MAGNITUDE_KEYS, MANTISSA_BITS, SIGNED_KEYS, signed_keys
 from .nonuniform_quantizer import (
+    CentroidFit,
     DOMAINS,
     FIRST_NON_FINITE_KEY,
     LINEAR,
@@ -233,20 +234,28 @@ class DynaQuantCodec(PreparedEncoding, Codec):
 
     # -- encoding -----------------------------------------------------------------
 
+    def _thresholds(self, counts: torch.Tensor) -> tuple[int, int]:
+        prune_below, protect_above = magnitude_thresholds(counts, self.prune, self.protect)
+        return self._hints.get("prune_below", prune_below), self._hints.get("protect_above", protect_above)
+
+    def centroid_fit(self, counts: torch.Tensor) -> CentroidFit:
+        """The k-means fit an encode of a tensor with the signed-key histogram ``counts``
+        runs when no ``centroids`` hint is given. A policy that fits many tensors' levels
+        at once (``fit_centroids_batch``) hands the results back as ``centroids`` hints."""
+        counts = counts.cpu()
+        prune_below, protect_above = self._thresholds(counts)
+        kept = kept_counts(counts, prune_below, protect_above)
+        return CentroidFit(kept, self.bins, self.sigma, self.domain, self._hints.get("init"))
+
     def _table(self, keys: torch.Tensor) -> LevelTable:
-        hints = self._hints
-        counts = hints.get("counts")
+        counts = self._hints.get("counts")
         if counts is None:
             counts = torch.bincount(keys, minlength=SIGNED_KEYS)
         counts = counts.cpu()
-        prune_below, protect_above = magnitude_thresholds(counts, self.prune, self.protect)
-        prune_below = hints.get("prune_below", prune_below)
-        protect_above = hints.get("protect_above", protect_above)
-        centroids = hints.get("centroids")
+        centroids = self._hints.get("centroids")
         if centroids is None:
-            kept = kept_counts(counts, prune_below, protect_above)
-            centroids = fit_centroids(kept, self.bins, self.sigma, self.domain, hints.get("init"))
-        return make_level_table(centroids, self.domain, prune_below, protect_above)
+            centroids = fit_centroids(*self.centroid_fit(counts))
+        return make_level_table(centroids, self.domain, *self._thresholds(counts))
 
     def _encode(self, tensor: torch.Tensor, reference: Optional[torch.Tensor]) -> Encoded:
         if not tensor.dtype.is_floating_point:

@@ -26,15 +26,16 @@ positive centroids), so small moves between checkpoints are small deltas.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from .bucket_delta import id_dtype
 from .log_sketch import MAGNITUDE_KEYS, SIGNED_KEYS, LogHistogram, signed_key_centres
 from .scratch import scratch
-from .weighted_kmeans import distinct_float32_levels, float32_levels, histogram_sample_weights, weighted_kmeans_1d
+from .weighted_kmeans import KMeansProblem, distinct_float32_levels, histogram_sample_weights, weighted_kmeans_1d_batch
 
 __all__ = [
     "LINEAR",
@@ -43,6 +44,8 @@ __all__ = [
     "FIRST_NON_FINITE_KEY",
     "LevelTable",
     "fit_centroids",
+    "fit_centroids_batch",
+    "CentroidFit",
     "make_level_table",
     "assign_ids",
     "stick_to_predicted",
@@ -155,6 +158,16 @@ class LevelTable:
         return LevelTable(self.values.to(device), self.zero_index, self.domain, self.prune_below, self.protect_above)
 
 
+class CentroidFit(NamedTuple):
+    """One fit of :func:`fit_centroids_batch` (the arguments of :func:`fit_centroids`)."""
+
+    counts: torch.Tensor
+    bins: int
+    sigma: float = 0.2
+    domain: str = LINEAR
+    init: Optional[torch.Tensor] = None
+
+
 def fit_centroids(
     counts: torch.Tensor,
     bins: int,
@@ -170,28 +183,46 @@ def fit_centroids(
     reach the sparse tails, with the top level raised to cover the largest bucket.
     ``init`` (``bins`` values) warm-starts the clustering.
     """
-    if domain not in (LINEAR, LOG):
-        raise ValueError(f"domain must be one of {DOMAINS}, got {domain!r}")
-    occupied, centres, counts = LogHistogram(counts.cpu(), signed=True).occupied()
-    nonzero = (occupied != 0) & (occupied != MAGNITUDE_KEYS) & torch.isfinite(centres)
-    nonzero &= (occupied & (MAGNITUDE_KEYS - 1)) < FIRST_NON_FINITE_KEY
-    if domain == LOG:
-        nonzero &= centres > 0
-    centres, counts = centres[nonzero], counts[nonzero]
-    if centres.numel() == 0:
-        return torch.empty(0, dtype=torch.float32)
-    if domain == LOG:
-        start = torch.log2(init.detach().cpu().double()) if init is not None and bool((init > 0).all()) else None
-        # Counts alone would leave the sparse upper tail (the largest gradients) without
-        # levels; the uniform part spreads levels over the whole occupied log range.
-        occupied = torch.full_like(centres, 1.0 / centres.numel())
-        weights = sigma * counts.double() / counts.sum() + (1.0 - sigma) * occupied
-        centroids = torch.exp2(weighted_kmeans_1d(torch.log2(centres), weights, bins, init=start))
-        # The largest values are the most active parameters: the top level reaches the
-        # largest bucket, so none of them is underestimated by more than half a cell.
-        centroids[-1] = torch.maximum(centroids[-1], centres.max())
-        return distinct_float32_levels(centroids)
-    return float32_levels(centres, histogram_sample_weights(centres, counts, sigma), bins, init)
+    return fit_centroids_batch([CentroidFit(counts, bins, sigma, domain, init)])[0]
+
+
+def fit_centroids_batch(fits: Sequence[CentroidFit]) -> list[torch.Tensor]:
+    """:func:`fit_centroids` of every histogram, each exactly what it returns alone; the
+    k-means of all of them run side by side (one set of tensor operations, not one each)."""
+    results = [torch.empty(0, dtype=torch.float32) for _ in fits]
+    problems: list[KMeansProblem] = []
+    fitted: list[tuple[int, Optional[torch.Tensor]]] = []  # (fit, its log domain's largest centre)
+    for index, (counts, bins, sigma, domain, init) in enumerate(fits):
+        if domain not in (LINEAR, LOG):
+            raise ValueError(f"domain must be one of {DOMAINS}, got {domain!r}")
+        occupied, centres, counts = LogHistogram(counts.cpu(), signed=True).occupied()
+        nonzero = (occupied != 0) & (occupied != MAGNITUDE_KEYS) & torch.isfinite(centres)
+        nonzero &= (occupied & (MAGNITUDE_KEYS - 1)) < FIRST_NON_FINITE_KEY
+        if domain == LOG:
+            nonzero &= centres > 0
+        centres, counts = centres[nonzero], counts[nonzero]
+        if centres.numel() == 0:
+            continue
+        if domain == LOG:
+            start = torch.log2(init.detach().cpu().double()) if init is not None and bool((init > 0).all()) else None
+            # Counts alone would leave the sparse upper tail (the largest gradients) without
+            # levels; the uniform part spreads levels over the whole occupied log range.
+            uniform = torch.full_like(centres, 1.0 / centres.numel())
+            weights = sigma * counts.double() / counts.sum() + (1.0 - sigma) * uniform
+            problems.append(KMeansProblem(torch.log2(centres), weights, bins, start))
+            fitted.append((index, centres.max()))
+        else:
+            start = init.detach().cpu().double() if init is not None else None
+            problems.append(KMeansProblem(centres, histogram_sample_weights(centres, counts, sigma), bins, start))
+            fitted.append((index, None))
+    for (index, largest), centroids in zip(fitted, weighted_kmeans_1d_batch(problems)):
+        if largest is not None:
+            centroids = torch.exp2(centroids)
+            # The largest values are the most active parameters: the top level reaches the
+            # largest bucket, so none of them is underestimated by more than half a cell.
+            centroids[-1] = torch.maximum(centroids[-1], largest)
+        results[index] = distinct_float32_levels(centroids)
+    return results
 
 
 def make_level_table(

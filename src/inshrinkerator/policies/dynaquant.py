@@ -69,8 +69,8 @@ from ..codecs.dynaquant import magnitude_thresholds
 from ..codecs.prepared import PreparedEncoding
 from ..codecs.lossy_input import working_dtype
 from ..codecs.log_sketch import MAGNITUDE_KEYS, SIGNED_KEYS, magnitude_keys, signed_keys
-from ..codecs.nonuniform_quantizer import FIRST_NON_FINITE_KEY, LOG, LevelTable, key_centres
-from ..codecs.weighted_kmeans import float32_levels, histogram_sample_weights
+from ..codecs.nonuniform_quantizer import FIRST_NON_FINITE_KEY, LOG, LevelTable, fit_centroids_batch, key_centres
+from ..codecs.weighted_kmeans import KMeansProblem, float32_levels_batch, histogram_sample_weights
 from ..tree import KeyPath, TensorLeaf, format_key_path
 from .base import ParamGroupPolicy
 from .dynaquant_search import ConfigurationCube, Point
@@ -570,7 +570,7 @@ class DynaQuant(ParamGroupPolicy):
             # reference when it moved (levels of its own values cannot hold a change smaller
             # than their spacing), else losslessly.
             origin = tuple(0 for _ in cube.shape)
-            hard = [i for i in indices if not cube.within_own_budget(i, origin, MAGNITUDE)]
+            hard = [i for i, ok in zip(indices, cube.within_own_budgets(indices, origin, MAGNITUDE)) if not ok]
             residual = [i for i in hard if i in moving]
             allowed = {i: cube.own_budget(i) for i in residual}
             coded = parallel_map(
@@ -695,9 +695,11 @@ class DynaQuant(ParamGroupPolicy):
         first_keep: float,
     ) -> None:
         # Each moment is sketched (every element read) on its own: shared out between threads,
-        # largest first; codecs and warm-start bookkeeping are assigned in leaf order. A
-        # statistic named as a non-negative one that holds a negative value (or NaN) is not
-        # what its name says (another optimizer's entry of the same name): it stays exact.
+        # largest first. Their levels are then fitted all at once (a moment's histogram is a
+        # few thousand buckets: one k-means each would cost mostly per-operation overhead),
+        # and codecs and warm-start bookkeeping are assigned in leaf order. A statistic
+        # named as a non-negative one that holds a negative value (or NaN) is not what its
+        # name says (another optimizer's entry of the same name): it stays exact.
         items = [
             (index, role) for index, role in enumerate(layout.roles)
             if eligible[index] and (
@@ -705,11 +707,19 @@ class DynaQuant(ParamGroupPolicy):
             )
         ]
         items.sort(key=lambda item: -leaves[item[0]].tensor.numel())
-        planned = parallel_map(lambda item: self._plan_moment(leaves, references, layout, *item, first_keep), items)
-        for (index, _), codec in sorted(zip(items, planned), key=lambda pair: pair[0][0]):
-            codecs[index] = codec
+        sketched = parallel_map(lambda item: self._sketch_moment(leaves, references, layout, *item, first_keep), items)
+        plans = [plan for plan in sketched if isinstance(plan, _MomentPlan)]
+        zero_levels = [plan for plan in plans if plan.zero_levels is not None]
+        for plan, extra in zip(zero_levels, _zero_level_hints_batch([p.zero_levels for p in zero_levels], self.sigma)):
+            plan.hints.update(extra)
+        fitting = [plan for plan in plans if "centroids" not in plan.hints]
+        fits = [plan.codec.with_hints(**plan.hints).centroid_fit(plan.hints["counts"]) for plan in fitting]
+        for plan, centroids in zip(fitting, fit_centroids_batch(fits)):
+            plan.hints["centroids"] = centroids
+        for (index, _), plan in sorted(zip(items, sketched), key=lambda pair: pair[0][0]):
+            codecs[index] = plan.finish(self._memory) if isinstance(plan, _MomentPlan) else plan
 
-    def _plan_moment(
+    def _sketch_moment(
         self,
         leaves: Sequence[TensorLeaf],
         references: Sequence[Optional[torch.Tensor]],
@@ -717,10 +727,10 @@ class DynaQuant(ParamGroupPolicy):
         index: int,
         role: TensorRole,
         first_keep: float,
-    ) -> Codec:
-        """The codec of one first or second moment (reads the policy's memory; the codec writes
-        back the levels it fits when it encodes); ``first_keep``: the fraction of Adam's first
-        moment kept at this checkpoint."""
+    ) -> "Codec | _MomentPlan":
+        """The codec of one first or second moment, or what is left to fit of it (reads the
+        policy's memory; the codec writes back the levels it fits when it encodes);
+        ``first_keep``: the fraction of Adam's first moment kept at this checkpoint."""
         tensor = leaves[index].tensor.detach()
         key = format_key_path(leaves[index].path)
         if role is TensorRole.SECOND_MOMENT and self._factored(tensor):
@@ -731,6 +741,7 @@ class DynaQuant(ParamGroupPolicy):
         # mostly its record and level table: twice the levels and no pruning add few bytes.
         small = tensor.numel() < self.min_numel
         finer = SMALL_MOMENT_LEVEL_FACTOR if small else 1
+        zero_levels = None
         if role in _FIRST_ORDER:
             bins = self.momentum_bins if role is TensorRole.MOMENTUM_BUFFER else self.moment_bins
             bins = min(bins * finer, MAX_MOMENT_BINS)
@@ -743,7 +754,7 @@ class DynaQuant(ParamGroupPolicy):
                 keep = self.momentum_keep
             else:
                 keep = first_keep
-            extra: dict[str, Any] = self._first_moment_hints(tensor, keys, counts, role, partner, keep, bins)
+            extra, zero_levels = self._first_moment_hints(tensor, keys, counts, role, partner, keep, bins)
         else:
             reference = _usable_reference(tensor, references[index])
             codec_type = DynaQuantDeltaCodec if reference is not None else DynaQuantCodec
@@ -759,17 +770,9 @@ class DynaQuant(ParamGroupPolicy):
             extra = {}
         init = self._memory.centroids.get(key)
         # No keys hint: the codec recomputes them (one cheap pass) when the writer encodes, so
-        # the moments' keys are not all held at once between planning and writing. The levels
-        # it fits warm-start this moment's k-means at the next checkpoint.
-        centroids = self._memory.centroids
-
-        def remember(table: LevelTable) -> None:
-            centroids[key] = table.centroids()
-
-        return codec.with_hints(
-            counts=counts, init=init if init is not None and init.numel() == bins else None,
-            stats=self._memory.entropy, on_fitted=remember, **extra,
-        )
+        # the moments' keys are not all held at once between planning and writing.
+        hints = {"counts": counts, "init": init if init is not None and init.numel() == bins else None, **extra}
+        return _MomentPlan(key, codec, hints, zero_levels)
 
     def _factored(self, tensor: torch.Tensor) -> bool:
         if self.second_moment != "factored" or factored_shape(tuple(tensor.shape)) is None:
@@ -793,19 +796,20 @@ class DynaQuant(ParamGroupPolicy):
         second: Optional[torch.Tensor],
         keep: float,
         bins: int,
-    ) -> dict[str, Any]:
+    ) -> tuple[dict[str, Any], Optional[tuple[torch.Tensor, int]]]:
         """Which first-moment entries to keep (the fraction ``keep``; the rest are stored as
-        0), on ``bins`` levels.
+        0), on ``bins`` levels: the codec's hints, and the histogram and level count of its
+        symmetric levels around zero (:func:`_zero_level_hints_batch`) when it has them.
 
         Adam's ``exp_avg`` keeps the entries with the largest ``|m| / sqrt(v)`` (whose
         steps are large and steady; the others move little either way); an SGD momentum
         buffer, which is the step itself, keeps those largest in magnitude.
         """
         if keep >= 1.0:
-            return _zero_level_hints_for(counts, bins, self.sigma)
+            return {}, (counts, bins)
         if role is TensorRole.MOMENTUM_BUFFER or second is None or second.shape != moment.shape:
             prune_below, _ = magnitude_thresholds(counts, 1.0 - keep, 0.0)
-            return {"prune_below": prune_below}
+            return {"prune_below": prune_below}, None
         score = (moment.abs().float() / (second.detach().float().sqrt() + 1e-8)).reshape(-1)
         score_keys = magnitude_keys(score)
         cut = quantile_key(torch.bincount(score_keys, minlength=MAGNITUDE_KEYS), 1.0 - keep)
@@ -814,9 +818,28 @@ class DynaQuant(ParamGroupPolicy):
         # The kept entries get the same symmetric levels around an exact zero as a whole
         # moment: plain k-means rounded some small |m| (high score: small v) up to a far
         # larger level, and those restored steps blew up a digits run.
-        hints = _zero_level_hints_for(kept, bins, self.sigma)
-        hints["prune_mask"] = prune_mask
-        return hints
+        return {"prune_mask": prune_mask}, (kept, bins)
+
+
+@dataclass
+class _MomentPlan:
+    """A moment's codec and hints, waiting for the levels fitted for every moment at once."""
+
+    key: str
+    codec: DynaQuantCodec
+    hints: dict[str, Any]
+    #: the histogram and level count of symmetric levels around zero (first moments)
+    zero_levels: Optional[tuple[torch.Tensor, int]]
+
+    def finish(self, memory: "_Memory") -> Codec:
+        """The codec with its hints; the levels it encodes with warm-start this moment's
+        k-means at the next checkpoint."""
+        centroids, key = memory.centroids, self.key
+
+        def remember(table: LevelTable) -> None:
+            centroids[key] = table.centroids()
+
+        return self.codec.with_hints(stats=memory.entropy, on_fitted=remember, **self.hints)
 
 
 def _steps_since_reference(leaves: Sequence[TensorLeaf], references: Sequence[Optional[torch.Tensor]]) -> Optional[int]:
@@ -846,40 +869,69 @@ def _zero_level_hints_for(counts: torch.Tensor, bins: int, sigma: float) -> dict
     3x larger than the largest true step, and the failure runs lost half the accuracy).
     Rounded to 0, such an entry's momentum only restarts.
     """
-    magnitude = counts[:MAGNITUDE_KEYS] + counts[MAGNITUDE_KEYS:]  # all mass on the + side
-    # The occupied non-zero finite buckets, in key order: every fit below is on a suffix of
-    # them (what fit_centroids would select from the folded histogram, without its passes
-    # over the whole key space).
-    keys = torch.nonzero(magnitude[:FIRST_NON_FINITE_KEY]).reshape(-1)
-    keys = keys[keys != 0]
-    centres = key_centres()[keys]
-    finite = torch.isfinite(centres)
-    keys, centres = keys[finite], centres[finite]
-    occupied = magnitude[keys]
+    return _zero_level_hints_batch([(counts, bins)], sigma)[0]
 
-    def fit(start: int, init: Optional[torch.Tensor]) -> torch.Tensor:
-        kept = keys >= start
+
+class _FoldedHistogram:
+    """A first moment's histogram folded onto magnitudes: its occupied non-zero finite
+    buckets in key order. Every fit of :func:`_zero_level_hints_batch` is on a suffix of
+    them (what fit_centroids would select from the folded histogram, without its passes
+    over the whole key space)."""
+
+    def __init__(self, counts: torch.Tensor, bins: int, sigma: float) -> None:
+        magnitude = counts[:MAGNITUDE_KEYS] + counts[MAGNITUDE_KEYS:]  # all mass on the + side
+        keys = torch.nonzero(magnitude[:FIRST_NON_FINITE_KEY]).reshape(-1)
+        keys = keys[keys != 0]
+        centres = key_centres()[keys]
+        finite = torch.isfinite(centres)
+        self.keys, self.centres = keys[finite], centres[finite]
+        self.occupied = magnitude[self.keys]
+        self.half = max(bins // 2, 1)
+        self.sigma = sigma
+
+    def problem(self, start: int, init: Optional[torch.Tensor]) -> Optional[KMeansProblem]:
+        """The fit on the buckets from magnitude key ``start`` up (None: none is occupied)."""
+        kept = self.keys >= start
         if not bool(kept.any()):
-            return torch.empty(0, dtype=torch.float32)
-        weights = histogram_sample_weights(centres[kept], occupied[kept], sigma)
-        return float32_levels(centres[kept], weights, half, init)
+            return None
+        weights = histogram_sample_weights(self.centres[kept], self.occupied[kept], self.sigma)
+        return KMeansProblem(self.centres[kept], weights, self.half, init)
 
-    half = max(bins // 2, 1)
-    levels = fit(0, None)
-    if levels.numel() == 0:
-        return {}
-    prune_below = 1
+
+def _fit_folded(requests: Sequence[tuple[_FoldedHistogram, int, Optional[torch.Tensor]]]) -> list[torch.Tensor]:
+    """The levels of each ``(histogram, start, init)`` fit, all clustered side by side."""
+    problems = [histogram.problem(start, init) for histogram, start, init in requests]
+    fitted = iter(float32_levels_batch([problem for problem in problems if problem is not None]))
+    return [next(fitted) if problem is not None else torch.empty(0, dtype=torch.float32) for problem in problems]
+
+
+def _zero_level_hints_batch(histograms: Sequence[tuple[torch.Tensor, int]], sigma: float) -> list[dict[str, Any]]:
+    """:func:`_zero_level_hints_for` of every ``(counts, bins)``, each exactly what it gives
+    alone: each round's fits of all the moments run side by side."""
+    folded = [_FoldedHistogram(counts, bins, sigma) for counts, bins in histograms]
+    levels = _fit_folded([(histogram, 0, None) for histogram in folded])
+    refitting = [i for i, fitted in enumerate(levels) if fitted.numel()]
     for _ in range(2):  # refit on what stays: the zero cell grows with the smallest level
-        smallest = float(levels.abs().min())
-        prune_below = max(int(magnitude_keys(torch.tensor([smallest / 2]))[0]), 1)
-        refitted = fit(prune_below, levels if levels.numel() == half else None)
-        if refitted.numel() == 0:
-            break
-        levels = refitted
-    levels = levels.abs().sort().values
-    smallest = float(levels[0])
-    prune_below = max(int(magnitude_keys(torch.tensor([smallest / 2]))[0]), 1)
-    return {"prune_below": prune_below, "centroids": torch.cat([-levels.flip(0), levels])}
+        requests = []
+        for i in refitting:
+            smallest = float(levels[i].abs().min())
+            prune_below = max(int(magnitude_keys(torch.tensor([smallest / 2]))[0]), 1)
+            requests.append((folded[i], prune_below, levels[i] if levels[i].numel() == folded[i].half else None))
+        refitted = _fit_folded(requests)
+        for i, fitted in zip(refitting, refitted):
+            if fitted.numel():
+                levels[i] = fitted
+        # A fit that found nothing left to cluster ends that moment's rounds.
+        refitting = [i for i, fitted in zip(refitting, refitted) if fitted.numel()]
+    hints: list[dict[str, Any]] = []
+    for fitted in levels:
+        if fitted.numel() == 0:
+            hints.append({})
+            continue
+        fitted = fitted.abs().sort().values
+        prune_below = max(int(magnitude_keys(torch.tensor([float(fitted[0]) / 2]))[0]), 1)
+        hints.append({"prune_below": prune_below, "centroids": torch.cat([-fitted.flip(0), fitted])})
+    return hints
 
 
 def _reference_for(codec: Codec, leaf: TensorLeaf, reference: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

@@ -35,7 +35,15 @@ import torch
 
 from ..codecs.nonuniform_quantizer import assign_ids, reconstruct
 from ..tree import TensorLeaf
-from .quantization_trials import MAGNITUDE, SENSITIVITY, TrialConfig, TrialResult, WeightTrial, quantile_key
+from .quantization_trials import (
+    MAGNITUDE,
+    SENSITIVITY,
+    TrialConfig,
+    TrialResult,
+    WeightTrial,
+    quantile_key,
+    run_trials,
+)
 
 __all__ = [
     "ConfigurationCube",
@@ -298,20 +306,28 @@ class ConfigurationCube:
         return self._thresholds[key][fraction]
 
     def result(self, index: int, point: Point, metric: str) -> TrialResult:
-        trial = self.trials[index]
-        if trial.has_sensitivity and index not in self._announced:
-            self._announced.add(index)
-            trial.expect_sensitivity_cuts(
-                [self._threshold(trial.layer_type, SENSITIVITY, fraction) for fraction in self.axes[2]], self.axes[3]
-            )
-        config = self.config(index, point, metric)
-        if metric == SENSITIVITY and not trial.has_sensitivity:
-            config = TrialConfig(config.bins, config.prune, config.protect, MAGNITUDE)
-        threshold = self._threshold(trial.layer_type, config.metric, config.prune)
-        init = self.init.get(index)
-        if init is not None and init.numel() != config.bins:
-            init = None
-        return trial.run(config, threshold, init)
+        return self.results([index], point, metric)[0]
+
+    def results(self, indices: Sequence[int], point: Point, metric: str) -> list[TrialResult]:
+        """The trial results of the tensors ``indices`` at ``point``, run side by side."""
+        requests = []
+        for index in indices:
+            trial = self.trials[index]
+            if trial.has_sensitivity and index not in self._announced:
+                self._announced.add(index)
+                trial.expect_sensitivity_cuts(
+                    [self._threshold(trial.layer_type, SENSITIVITY, fraction) for fraction in self.axes[2]],
+                    self.axes[3],
+                )
+            config = self.config(index, point, metric)
+            if metric == SENSITIVITY and not trial.has_sensitivity:
+                config = TrialConfig(config.bins, config.prune, config.protect, MAGNITUDE)
+            threshold = self._threshold(trial.layer_type, config.metric, config.prune)
+            init = self.init.get(index)
+            if init is not None and init.numel() != config.bins:
+                init = None
+            requests.append((trial, config, threshold, init))
+        return run_trials(requests)
 
     def tensor_error(self, index: int, point: Point, metric: str) -> float:
         """The proxy's judgement of one tensor at ``point``: its error over its budget share."""
@@ -325,9 +341,16 @@ class ConfigurationCube:
         return self.caps.get(index, math.inf)
 
     def within_own_budget(self, index: int, point: Point, metric: str) -> bool:
+        return self.within_own_budgets([index], point, metric)[0]
+
+    def within_own_budgets(self, indices: Sequence[int], point: Point, metric: str) -> list[bool]:
+        """:meth:`within_own_budget` of each of ``indices`` (their trials run side by side)."""
         if self.evaluate is None:
-            return not self.tensor_error(index, point, metric) > self.budget
-        return index not in self.caps or self.result(index, point, metric).error <= self.caps[index]
+            results = self.results(indices, point, metric)
+            return [not result.error / self.scales.get(i, 1.0) > self.budget for i, result in zip(indices, results)]
+        capped = [i for i in indices if i in self.caps]
+        errors = dict(zip(capped, (result.error for result in self.results(capped, point, metric))))
+        return [i not in errors or errors[i] <= self.caps[i] for i in indices]
 
     def _hardest_first(self, indices: Iterable[int]) -> list[int]:
         # The tensor that put the last point over budget goes first: it usually fails again.
@@ -358,31 +381,44 @@ class ConfigurationCube:
         floor when the shared setting is coarser).
         """
         floors = floors or {}
-        runs = 0
-        worst = 0.0
+        walks: dict[int, tuple[Sequence[int], int]] = {}  # index -> (its bin axis, position)
         for index in self.trials:
             axis, position = (self.axes[1], point[1]) if index in self.embedding else (self.axes[0], point[0])
-            floor = floors.get(index, 0)
-            if axis[position] < floor:
-                self.refined[(index, point, metric)] = floor
-            if self.evaluate is not None:
-                continue
-            error = self.tensor_error(index, point, metric)
-            chosen = self.config(index, point, metric).bins
-            for bins in axis[position + 1:]:
-                if bins < floor:
-                    break
-                self.refined[(index, point, metric)] = bins
-                runs += 1
-                trial_error = self.tensor_error(index, point, metric)
-                if trial_error > self.budget:
-                    break
-                chosen, error = bins, trial_error
-            self.refined[(index, point, metric)] = chosen
-            worst = max(worst, error)
-        if self.evaluate is None:
-            self._quality[(point, metric)] = worst
+            if axis[position] < floors.get(index, 0):
+                self.refined[(index, point, metric)] = floors[index]
+            walks[index] = (axis, position)
+        if self.evaluate is not None:
+            return 0
+        # The tensors walk their axes side by side, one step each per round (each tensor's
+        # trials run in the order they would alone, so warm starts are the same).
+        walking = list(self.trials)
+        errors = dict(zip(walking, (e / self.scales.get(i, 1.0) for i, e in self._errors(walking, point, metric))))
+        chosen = {index: self.config(index, point, metric).bins for index in walking}
+        runs = 0
+        step = 1
+        while walking:
+            stepping = []
+            for index in walking:
+                axis, position = walks[index]
+                if position + step < len(axis) and axis[position + step] >= floors.get(index, 0):
+                    self.refined[(index, point, metric)] = axis[position + step]
+                    stepping.append(index)
+            runs += len(stepping)
+            walking = []
+            for index, error in self._errors(stepping, point, metric):
+                error /= self.scales.get(index, 1.0)
+                if error > self.budget:
+                    continue
+                chosen[index], errors[index] = walks[index][0][walks[index][1] + step], error
+                walking.append(index)
+            step += 1
+        for index, bins in chosen.items():
+            self.refined[(index, point, metric)] = bins
+        self._quality[(point, metric)] = max(errors.values(), default=0.0)
         return runs
+
+    def _errors(self, indices: Sequence[int], point: Point, metric: str) -> list[tuple[int, float]]:
+        return [(index, result.error) for index, result in zip(indices, self.results(indices, point, metric))]
 
     # -- quality and feasibility
     def quality(self, point: Point, metric: str) -> float:
@@ -391,7 +427,8 @@ class ConfigurationCube:
         key = (point, metric)
         if key not in self._quality:
             if self.evaluate is None:
-                self._quality[key] = max(self.tensor_error(i, point, metric) for i in self.trials)
+                results = self.results(list(self.trials), point, metric)
+                self._quality[key] = max(r.error / self.scales.get(i, 1.0) for i, r in zip(self.trials, results))
             elif not self._within_caps(point, metric):
                 self._quality[key] = math.inf  # decided without calling evaluate
             else:

@@ -26,9 +26,9 @@ import torch
 from ..codecs.dynaquant import magnitude_thresholds
 from ..codecs.log_sketch import ALPHA, MAGNITUDE_KEYS, SIGNED_KEYS, magnitude_keys, signed_keys
 from ..codecs.nonuniform_quantizer import FIRST_NON_FINITE_KEY, LINEAR, LevelTable, key_centres, make_level_table
-from ..codecs.weighted_kmeans import float32_levels, histogram_sample_weights
+from ..codecs.weighted_kmeans import KMeansProblem, float32_levels_batch, histogram_sample_weights
 
-__all__ = ["TrialConfig", "TrialResult", "WeightTrial", "MAGNITUDE", "SENSITIVITY", "quantile_key"]
+__all__ = ["TrialConfig", "TrialResult", "WeightTrial", "MAGNITUDE", "SENSITIVITY", "quantile_key", "run_trials"]
 
 MAGNITUDE, SENSITIVITY = "magnitude", "sensitivity"
 #: Pruned error counts this many times in the proxy: pruning moves every pruned weight the
@@ -289,6 +289,10 @@ class WeightTrial:
         magnitude key (magnitude metric) or a sensitivity key (sensitivity metric);
         elements with a smaller key are pruned.
         """
+        return run_trials([(self, config, prune_threshold, init)])[0]
+
+    def _pending(self, config: TrialConfig, prune_threshold: int, init: Optional[torch.Tensor]) -> "TrialResult | _Pending":
+        """The cached result of ``config``, or what is left to fit for it."""
         cache_key = ("run", config.bins, config.metric, prune_threshold, config.protect)
         if cache_key in self._cache:
             return self._cache[cache_key]  # type: ignore[return-value]
@@ -304,10 +308,14 @@ class WeightTrial:
         )
         if init is None:
             init = self._seeds.get(config.bins)
-        centroids = kept.fit(config.bins, init)
-        if centroids.numel() == config.bins:
-            self._seeds[config.bins] = centroids  # warm start for this save's other trials
-        table = make_level_table(centroids, LINEAR, prune_below, protect_above)
+        return _Pending(cache_key, config.bins, kept, prune_mask, protect_mask, prune_below, protect_above, init)
+
+    def _finish(self, pending: "_Pending", centroids: torch.Tensor) -> TrialResult:
+        """The result of a pending trial with its fitted ``centroids`` (cached)."""
+        kept = pending.kept
+        if centroids.numel() == pending.bins:
+            self._seeds[pending.bins] = centroids  # warm start for this save's other trials
+        table = make_level_table(centroids, LINEAR, pending.prune_below, pending.protect_above)
         # Only the kept buckets carry mass here: their nearest centroid is all that matters.
         levels = centroids.double()
         nearest = kept.nearest(levels) if centroids.numel() else torch.zeros_like(kept.keys)
@@ -328,11 +336,47 @@ class WeightTrial:
         probabilities = id_counts[id_counts > 0] / max(float(id_counts.sum()), 1.0)
         entropy = float(-(probabilities * torch.log2(probabilities)).sum()) * self.numel
         result = TrialResult(
-            table, prune_mask, protect_mask, max(error, 0.0),
+            table, pending.prune_mask, pending.protect_mask, max(error, 0.0),
             entropy + 16 * kept.protected_count + 32 * table.count, pruned_plain,
         )
-        self._cache[cache_key] = result
+        self._cache[pending.cache_key] = result
         return result
+
+
+class _Pending(NamedTuple):
+    """A trial waiting for its levels."""
+
+    cache_key: tuple
+    bins: int
+    kept: "_KeptHistogram"
+    prune_mask: Optional[torch.Tensor]
+    protect_mask: Optional[torch.Tensor]
+    prune_below: int
+    protect_above: int
+    init: Optional[torch.Tensor]
+
+
+def run_trials(
+    requests: Sequence[tuple[WeightTrial, TrialConfig, int, Optional[torch.Tensor]]],
+) -> list[TrialResult]:
+    """``trial.run(config, prune_threshold, init)`` of every request, their k-means side by
+    side; each result exactly what the trial's own ``run`` gives at this point (a trial's
+    later runs warm-start from its earlier ones, so each trial may appear once).
+
+    Raises:
+        ValueError: a trial appears twice.
+    """
+    trials = [request[0] for request in requests]
+    if len({id(trial) for trial in trials}) != len(trials):
+        raise ValueError("run_trials runs each trial once per call")
+    pending = [trial._pending(config, threshold, init) for trial, config, threshold, init in requests]
+    waiting = [(i, step) for i, step in enumerate(pending) if isinstance(step, _Pending)]
+    problems = [step.kept.problem(step.bins, step.init) for _, step in waiting]
+    fitted = iter(float32_levels_batch([problem for problem in problems if problem is not None]))
+    for (i, step), problem in zip(waiting, problems):
+        centroids = next(fitted) if problem is not None else torch.empty(0, dtype=torch.float32)
+        pending[i] = trials[i]._finish(step, centroids)
+    return pending  # type: ignore[return-value]
 
 
 class _KeptHistogram:
@@ -365,12 +409,13 @@ class _KeptHistogram:
         self._order = torch.argsort(centres)
         self._sorted = centres[self._order]
 
-    def fit(self, bins: int, init: Optional[torch.Tensor]) -> torch.Tensor:
-        """What ``fit_centroids(kept histogram, bins, sigma, LINEAR, init)`` returns, from the
-        occupied buckets alone (no pass over the whole key space)."""
+    def problem(self, bins: int, init: Optional[torch.Tensor]) -> Optional[KMeansProblem]:
+        """The k-means of ``fit_centroids(kept histogram, bins, sigma, LINEAR, init)``, on the
+        occupied buckets alone (no pass over the whole key space); None when no bucket is
+        left to fit (no levels)."""
         if self._weights is None:
-            return torch.empty(0, dtype=torch.float32)
-        return float32_levels(self._points, self._weights, bins, init)
+            return None
+        return KMeansProblem(self._points, self._weights, bins, init)
 
     def nearest(self, levels: torch.Tensor) -> torch.Tensor:
         """``nearest_level(centres, levels)``: one search per boundary over the sorted centres
