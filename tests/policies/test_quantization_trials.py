@@ -175,3 +175,15 @@ def test_trials_run_side_by_side_give_what_each_gives_alone() -> None:
     trial = together[0]
     with pytest.raises(ValueError, match="once"):
         run_trials([(trial, TrialConfig(8, 0.0, 0.0), 0, None), (trial, TrialConfig(4, 0.0, 0.0), 0, None)])
+
+
+def test_trials_after_a_stop_are_left_as_if_they_had_not_run() -> None:
+    stopped, fresh = _trials(), _trials()
+    first = TrialConfig(16, 0.0, 0.0)
+    results = run_trials([(trial, first, 0, None) for trial in stopped], stop=lambda position, result: position == 1)
+    assert len(results) == 2
+    assert torch.equal(results[1].table.values, fresh[1].run(first, 0).table.values)
+    # The third trial did not keep the first run's levels as its warm start: its next run
+    # at the same level count is what it is in a trial that never ran.
+    later = TrialConfig(16, 0.2, 0.0)
+    assert torch.equal(stopped[2].run(later, 900).table.values, fresh[2].run(later, 900).table.values)

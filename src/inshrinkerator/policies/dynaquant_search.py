@@ -308,8 +308,16 @@ class ConfigurationCube:
     def result(self, index: int, point: Point, metric: str) -> TrialResult:
         return self.results([index], point, metric)[0]
 
-    def results(self, indices: Sequence[int], point: Point, metric: str) -> list[TrialResult]:
-        """The trial results of the tensors ``indices`` at ``point``, run side by side."""
+    def results(
+        self,
+        indices: Sequence[int],
+        point: Point,
+        metric: str,
+        stop: Optional[Callable[[int, TrialResult], bool]] = None,
+    ) -> list[TrialResult]:
+        """The trial results of the tensors ``indices`` at ``point``, run side by side; with
+        ``stop(index, result)``, only up to the first for which it is true (the tensors after
+        it are not run: :func:`run_trials`)."""
         requests = []
         for index in indices:
             trial = self.trials[index]
@@ -327,7 +335,27 @@ class ConfigurationCube:
             if init is not None and init.numel() != config.bins:
                 init = None
             requests.append((trial, config, threshold, init))
-        return run_trials(requests)
+        if stop is None:
+            return run_trials(requests)
+        return run_trials(requests, lambda position, result: stop(indices[position], result))
+
+    def _first_over(
+        self, indices: Sequence[int], point: Point, metric: str, over: Callable[[int, TrialResult], bool]
+    ) -> tuple[Optional[int], list[tuple[int, TrialResult]]]:
+        """The first of ``indices`` (in order) whose result is ``over`` its bound (None if
+        none is), and the results up to it: exactly what running them one by one until then
+        gives. They run side by side in growing groups, so a point decided by its first
+        tensor (the usual infeasible point) costs one trial."""
+        seen: list[tuple[int, TrialResult]] = []
+        start, size = 0, 1
+        while start < len(indices):
+            group = indices[start : start + size]
+            for index, result in zip(group, self.results(group, point, metric, over)):
+                seen.append((index, result))
+                if over(index, result):
+                    return index, seen
+            start, size = start + size, size * 4
+        return None, seen
 
     def tensor_error(self, index: int, point: Point, metric: str) -> float:
         """The proxy's judgement of one tensor at ``point``: its error over its budget share."""
@@ -361,11 +389,12 @@ class ConfigurationCube:
         return order
 
     def _within_caps(self, point: Point, metric: str) -> bool:
-        for index in self._hardest_first(self.caps):
-            if not self.within_own_budget(index, point, metric):
-                self._hardest = index
-                return False
-        return True
+        failed, _ = self._first_over(
+            self._hardest_first(self.caps), point, metric, lambda index, result: not result.error <= self.caps[index]
+        )
+        if failed is not None:
+            self._hardest = failed
+        return failed is None
 
     def refine(self, point: Point, metric: str, floors: Optional[dict[int, int]] = None) -> int:
         """Give each tensor the fewest bins that keep *its own* error within budget (proxy only).
@@ -443,14 +472,14 @@ class ConfigurationCube:
         key = (point, metric)
         if self.evaluate is not None or key in self._quality:
             return self.quality(point, metric) <= self.budget
-        worst = 0.0
-        for index in self._hardest_first(self.trials):
-            error = self.tensor_error(index, point, metric)
-            if error > self.budget:
-                self._hardest = index
-                return False
-            worst = max(worst, error)
-        self._quality[key] = worst
+        failed, seen = self._first_over(
+            self._hardest_first(self.trials), point, metric,
+            lambda index, result: result.error / self.scales.get(index, 1.0) > self.budget,
+        )
+        if failed is not None:
+            self._hardest = failed
+            return False
+        self._quality[key] = max((result.error / self.scales.get(i, 1.0) for i, result in seen), default=0.0)
         return True
 
     def _model_state(self, replace: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:

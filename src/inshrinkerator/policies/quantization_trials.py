@@ -17,7 +17,7 @@ the real quantization error to the sketch's accuracy.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
@@ -358,10 +358,16 @@ class _Pending(NamedTuple):
 
 def run_trials(
     requests: Sequence[tuple[WeightTrial, TrialConfig, int, Optional[torch.Tensor]]],
+    stop: Optional[Callable[[int, TrialResult], bool]] = None,
 ) -> list[TrialResult]:
     """``trial.run(config, prune_threshold, init)`` of every request, their k-means side by
     side; each result exactly what the trial's own ``run`` gives at this point (a trial's
     later runs warm-start from its earlier ones, so each trial may appear once).
+
+    ``stop(position, result)``, called in request order, ends the runs early: the results
+    up to the first for which it is true are returned, and the trials after it are left
+    as if they had not run (nothing cached, no warm start kept), so a caller that would
+    have stopped there running them one by one sees the same trials afterwards.
 
     Raises:
         ValueError: a trial appears twice.
@@ -370,13 +376,19 @@ def run_trials(
     if len({id(trial) for trial in trials}) != len(trials):
         raise ValueError("run_trials runs each trial once per call")
     pending = [trial._pending(config, threshold, init) for trial, config, threshold, init in requests]
-    waiting = [(i, step) for i, step in enumerate(pending) if isinstance(step, _Pending)]
-    problems = [step.kept.problem(step.bins, step.init) for _, step in waiting]
+    waiting = [step for step in pending if isinstance(step, _Pending)]
+    problems = [step.kept.problem(step.bins, step.init) for step in waiting]
     fitted = iter(float32_levels_batch([problem for problem in problems if problem is not None]))
-    for (i, step), problem in zip(waiting, problems):
-        centroids = next(fitted) if problem is not None else torch.empty(0, dtype=torch.float32)
-        pending[i] = trials[i]._finish(step, centroids)
-    return pending  # type: ignore[return-value]
+    levels = {id(step): next(fitted) if problem is not None else None for step, problem in zip(waiting, problems)}
+    results: list[TrialResult] = []
+    for position, (trial, step) in enumerate(zip(trials, pending)):
+        if isinstance(step, _Pending):
+            centroids = levels[id(step)]
+            step = trial._finish(step, centroids if centroids is not None else torch.empty(0, dtype=torch.float32))
+        results.append(step)
+        if stop is not None and stop(position, step):
+            break
+    return results
 
 
 class _KeptHistogram:
