@@ -133,3 +133,27 @@ def test_a_batch_refuses_what_a_single_fit_refuses() -> None:
         weighted_kmeans_1d_batch([good, KMeansProblem(torch.ones(3), torch.ones(3), 0)])
     with pytest.raises(ValueError, match="positive weight"):
         weighted_kmeans_1d_batch([good, KMeansProblem(torch.ones(3), torch.zeros(3), 2)])
+
+
+def test_a_batch_larger_than_its_buffer_budget_is_fitted_in_parts(monkeypatch: pytest.MonkeyPatch) -> None:
+    from inshrinkerator.codecs import weighted_kmeans
+
+    generator = torch.Generator().manual_seed(7)
+    problems = [
+        KMeansProblem(torch.randn(size, generator=generator, dtype=torch.float64), torch.rand(size, generator=generator), k)
+        for size, k in ((40, 3), (300, 8), (90, 16), (500, 4), (41, 2), (200, 8))
+    ]
+    whole = weighted_kmeans_1d_batch(problems)
+    sizes: list[int] = []
+    real = weighted_kmeans._Rows.of
+
+    def recording(prepared):  # type: ignore[no-untyped-def]
+        sizes.append(len(prepared))
+        return real(prepared)
+
+    monkeypatch.setattr(weighted_kmeans, "BATCH_ELEMENTS", 700)
+    monkeypatch.setattr(weighted_kmeans._Rows, "of", staticmethod(recording))
+    parts = weighted_kmeans_1d_batch(problems)
+    assert len(sizes) > 1 and sum(sizes) == len(problems)
+    for a, b in zip(whole, parts):
+        assert torch.equal(a, b)

@@ -44,6 +44,11 @@ def histogram_sample_weights(centres: torch.Tensor, counts: torch.Tensor, sigma:
     return sigma * count_part + (1.0 - sigma) * magnitude / magnitude_sum
 
 
+#: The most padded points one batch of :func:`weighted_kmeans_1d_batch` holds (a row alone may
+#: be longer): its buffers of that many float64 values stay at 16 MiB each.
+BATCH_ELEMENTS = 1 << 21
+
+
 class KMeansProblem(NamedTuple):
     """One clustering of :func:`weighted_kmeans_1d_batch` (the arguments of :func:`weighted_kmeans_1d`)."""
 
@@ -125,25 +130,44 @@ def weighted_kmeans_1d_batch(problems: Sequence[KMeansProblem], iterations: int 
             continue
         batched.append(index)
         prepared.append((points, weights))
-    if not batched:
-        return results  # type: ignore[return-value]
+    # Rows of similar length side by side, and no more of them at once than BATCH_ELEMENTS
+    # padded points: a batch's buffers stay small whatever the number of tensors.
+    order = sorted(range(len(batched)), key=lambda position: prepared[position][0].numel())
+    start = 0
+    while start < len(order):
+        stop = start + 1
+        while stop < len(order) and (stop + 1 - start) * prepared[order[stop]][0].numel() <= BATCH_ELEMENTS:
+            stop += 1
+        chunk = order[start:stop]
+        fitted = _fit_rows([problems[batched[p]] for p in chunk], [prepared[p] for p in chunk], iterations)
+        for position, centroids in zip(chunk, fitted):
+            results[batched[position]] = centroids
+        start = stop
+    return results  # type: ignore[return-value]
+
+
+def _fit_rows(
+    problems: Sequence[KMeansProblem], prepared: Sequence[tuple[torch.Tensor, torch.Tensor]], iterations: int
+) -> list[torch.Tensor]:
+    """Seeding (or warm starts) and Lloyd's iterations of problems whose sorted positive-weight
+    points and weights are ``prepared``, as the rows of one batch."""
     rows = _Rows.of(prepared)
     starts: list[Optional[torch.Tensor]] = []
     seeded: list[int] = []
-    for row, index in enumerate(batched):
-        init, k = problems[index].init, problems[index].k
+    for row, problem in enumerate(problems):
+        init, k = problem.init, problem.k
         if init is not None and init.numel() == k and bool(torch.isfinite(init).all()):
             starts.append(torch.sort(init.double().to(rows.device).reshape(-1)).values)
         else:
             starts.append(None)
             seeded.append(row)
     if seeded:
-        ks = [problems[batched[row]].k for row in seeded]
+        ks = [problems[row].k for row in seeded]
         # All of a row's uniform numbers at once: its generator yields the same ones as k
         # single draws.
         draws = [
             torch.rand(
-                k, generator=torch.Generator(device=rows.device).manual_seed(problems[batched[row]].seed),
+                k, generator=torch.Generator(device=rows.device).manual_seed(problems[row].seed),
                 dtype=torch.float64, device=rows.device,
             )
             for row, k in zip(seeded, ks)
@@ -152,9 +176,7 @@ def weighted_kmeans_1d_batch(problems: Sequence[KMeansProblem], iterations: int 
         subset = rows.subset(seeded)
         for row, chosen in zip(seeded, subset.seed(ks, uniforms)):
             starts[row] = torch.sort(prepared[row][0][chosen]).values
-    for index, centroids in zip(batched, rows.lloyd(starts, iterations)):  # type: ignore[arg-type]
-        results[index] = centroids
-    return results  # type: ignore[return-value]
+    return rows.lloyd(starts, iterations)  # type: ignore[arg-type]
 
 
 class _Rows:
