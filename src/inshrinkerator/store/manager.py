@@ -6,6 +6,7 @@ import gc
 import operator
 import sys
 import time
+from collections.abc import Callable
 from typing import Any, Optional, Union
 
 import torch
@@ -21,7 +22,7 @@ from .chain import load_step, resolve_chain
 from .commit import ensure_run_marker, list_steps, publish_manifest, read_manifest, remove_stale, write_data
 from .manifest import MAX_STEP, StepManifest, manifest_name, utc_now
 from .retention import apply_retention
-from .snapshot import snapshot_state
+from .snapshot import Snapshot, SpareBuffers, snapshot_state
 from .storage import RunLocation, RunStorage, open_storage
 
 __all__ = ["CheckpointManager", "DEFAULT_POLICY_PREFERENCE", "default_policy_name", "policy_or_default"]
@@ -187,6 +188,8 @@ class CheckpointManager:
         self._latest_depth = 0
         self._reference: Optional[dict[str, torch.Tensor]] = None
         self._reference_step: Optional[int] = None
+        #: fresh buffers for the next async snapshot, made by the worker after a save
+        self._spare: Optional[SpareBuffers] = None
         self._writing = False
         self._closed = False
         self._collect_setup_garbage()
@@ -247,13 +250,28 @@ class CheckpointManager:
             info = self._write_step(step, state, base, private=False)
             return SaveInfo(info.step, info.kind, info.raw_bytes, info.stored_bytes, info.ratio,
                             time.perf_counter() - started, info.policy)
-        snapshot = snapshot_state(state)
-        self._worker.submit(
-            lambda: self._write_step(step, snapshot.state, base, private=True),
-            f"saving step {step} to {self.location}",
-        )
+        snapshot = snapshot_state(state, self._spare)
+        self._spare = None
+        raw_bytes = snapshot.raw_bytes
+        self._worker.submit(self._background_save(step, snapshot, base), f"saving step {step} to {self.location}")
         kind = "full" if base is None else "delta"
-        return SaveInfo(step, kind, snapshot.raw_bytes, 0, 0.0, time.perf_counter() - started, self._policy.name)
+        return SaveInfo(step, kind, raw_bytes, 0, 0.0, time.perf_counter() - started, self._policy.name)
+
+    def _background_save(self, step: int, snapshot: Snapshot, base: Optional[StepManifest]) -> Callable[[], SaveInfo]:
+        """The worker's job for one snapshot: write it, then lay out fresh buffers like it for
+        the next snapshot to copy into (made after the snapshot is let go, so the two are
+        never held at once beyond what the closed-loop reference keeps of it)."""
+        held = [snapshot]
+
+        def job() -> SaveInfo:
+            taken = held.pop()
+            info = self._write_step(step, taken.state, base, private=True)
+            layout = SpareBuffers.layout_of(taken.tensors)
+            del taken
+            self._spare = SpareBuffers(layout)
+            return info
+
+        return job
 
     def _latest_manifest(self) -> Optional[StepManifest]:
         if not self._latest_known:
@@ -442,6 +460,7 @@ class CheckpointManager:
                 self._worker.result()
             finally:
                 self._worker.shutdown()
+                self._spare = None
 
     def watch(self, model: torch.nn.Module) -> None:
         """Let a policy that wants gradients see ``model`` (a no-op for other policies)."""
