@@ -15,7 +15,6 @@ import os
 import shutil
 import stat
 import subprocess
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
