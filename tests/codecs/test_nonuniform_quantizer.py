@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from inshrinkerator.codecs.log_sketch import SIGNED_KEYS, magnitude_keys, signed_keys
 from inshrinkerator.codecs.nonuniform_quantizer import (
+    FIRST_NON_FINITE_KEY,
     LINEAR,
     LOG,
     CentroidFit,
     assign_ids,
     fit_centroids,
     fit_centroids_batch,
+    key_centres,
     make_level_table,
     reconstruct,
     stick_to_predicted,
@@ -29,7 +32,7 @@ def test_ids_follow_the_values_and_the_thresholds() -> None:
     assert 1 <= centroids.numel() <= 8 and bool((centroids != 0).all())
     prune_below, protect_above = int(magnitude_keys(torch.tensor([0.01]))), int(magnitude_keys(torch.tensor([0.12])))
     table = make_level_table(centroids, LINEAR, prune_below, protect_above)
-    ids = assign_ids(keys, table.lookup(), table).long()
+    ids = assign_ids(keys, table).long()
     assert torch.all(ids[values.abs() < 0.0098] == table.zero_index)
     assert torch.all(ids[values.abs() > 0.1225] == table.protect_id)
     middle = (values.abs() > 0.0102) & (values.abs() < 0.118)
@@ -49,7 +52,7 @@ def test_element_masks_override_the_lookup() -> None:
     protect = torch.zeros(100, dtype=torch.bool)
     prune[:10] = True
     protect[5:20] = True
-    ids = assign_ids(keys, table.lookup(), table, prune, protect)
+    ids = assign_ids(keys, table, prune, protect)
     assert torch.all(ids[:5] == table.zero_index) and torch.all(ids[5:20] == table.protect_id)
 
 
@@ -59,7 +62,7 @@ def test_log_domain_levels_are_positive_and_relative() -> None:
     keys = signed_keys(values)
     centroids = fit_centroids(torch.bincount(keys, minlength=SIGNED_KEYS), 16, domain=LOG)
     table = make_level_table(centroids, LOG)
-    ids = assign_ids(keys, table.lookup(), table)
+    ids = assign_ids(keys, table)
     decoded = reconstruct(ids, table, torch.empty(0), torch.float32, (50_000,))
     assert torch.all(decoded[:100] == 0) and torch.all(decoded[100:] > 0)
     ratio = (decoded[100:] / values[100:]).log2()
@@ -71,7 +74,7 @@ def test_log_domain_levels_are_positive_and_relative() -> None:
 def test_non_finite_values_get_the_protect_id_and_come_back() -> None:
     values = torch.tensor([float("nan"), float("inf"), -float("inf"), 1.0, -1.0])
     table = make_level_table(torch.tensor([-1.0, 1.0]))
-    ids = assign_ids(signed_keys(values), table.lookup(), table)
+    ids = assign_ids(signed_keys(values), table)
     assert ids[:3].tolist() == [table.protect_id] * 3
     decoded = reconstruct(ids, table, values[:3].to(torch.bfloat16), torch.float32, (5,))
     assert torch.isnan(decoded[0]) and decoded[1] == float("inf") and decoded[2] == -float("inf")
@@ -80,7 +83,7 @@ def test_non_finite_values_get_the_protect_id_and_come_back() -> None:
 def test_stickiness_keeps_predicted_levels_within_its_margin() -> None:
     table = make_level_table(torch.tensor([1.0, 2.0, 3.0]))
     values = torch.tensor([1.6, 1.9, 2.45, 2.9])
-    ids = assign_ids(signed_keys(values), table.lookup(), table)
+    ids = assign_ids(signed_keys(values), table)
     predicted = torch.full_like(ids, 1)  # the level 1.0 (index 1; the zero level is index 0)
     positions = torch.nonzero(ids != predicted).reshape(-1)
     keep = stick_to_predicted(values, positions, ids, predicted, table, stickiness=0.5)
@@ -104,3 +107,30 @@ def test_a_batch_of_fits_gives_each_histogram_what_it_gives_alone() -> None:
     for fit, result in zip(fits, results):
         assert torch.equal(result, fit_centroids(*fit))
     assert results[-1].numel() == 0 and results[0].numel() > 0
+
+
+@pytest.mark.parametrize("domain", [LINEAR, LOG])
+def test_the_ids_of_a_few_keys_are_those_of_the_whole_key_table(domain: str) -> None:
+    # A small tensor's ids are found key by key, a large one's from the table of all keys:
+    # on every signed key (finite, zero, subnormal, infinite, NaN), for tables of either
+    # domain with and without pruning and protection, the two must agree.
+    from inshrinkerator.codecs.nonuniform_quantizer import DIRECT_IDS_FRACTION
+
+    generator = torch.Generator().manual_seed(0)
+    every_key = torch.arange(SIGNED_KEYS, dtype=torch.int32)
+    chunk = SIGNED_KEYS // DIRECT_IDS_FRACTION - 1
+    for trial in range(12):
+        values = torch.randn(2_000, generator=generator) * 10.0 ** float(torch.randint(-20, 3, (1,), generator=generator))
+        if domain == LOG:
+            values = values.abs()
+        keys = signed_keys(values)
+        levels = fit_centroids(torch.bincount(keys, minlength=SIGNED_KEYS), 1 + trial * 3, 1.0, domain)
+        if trial % 4 == 3:  # on level boundaries exactly: centroids at bucket centres
+            levels = torch.unique(torch.cat([levels, key_centres()[keys[:5].long()].float()]))
+            levels = levels[(levels != 0) & torch.isfinite(levels)]
+        prune_below = int(torch.randint(1, 9000, (1,), generator=generator)) if trial % 2 else 1
+        protect_above = int(torch.randint(8000, FIRST_NON_FINITE_KEY, (1,), generator=generator))
+        table = make_level_table(levels, domain, prune_below, protect_above)
+        whole = table.lookup()
+        parts = torch.cat([table.ids(every_key[start : start + chunk]) for start in range(0, SIGNED_KEYS, chunk)])
+        assert parts.dtype == whole.dtype and torch.equal(parts, whole), trial

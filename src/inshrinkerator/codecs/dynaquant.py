@@ -107,7 +107,7 @@ def check_reference_fingerprint(codec_id: str, fingerprint: int, reference: torc
 def predicted_ids(table: LevelTable, reference: torch.Tensor) -> torch.Tensor:
     """The id every element of ``reference`` gets under ``table`` (what a delta is coded against)."""
     flat = reference.detach().reshape(-1)
-    return table.lookup(flat.device).index_select(0, _signed_keys(flat))
+    return table.ids(_signed_keys(flat))
 
 
 def magnitude_thresholds(counts: torch.Tensor, prune: float, protect: float) -> tuple[int, int]:
@@ -268,13 +268,12 @@ class DynaQuantCodec(PreparedEncoding, Codec):
         if table.count > MAX_LEVELS:
             raise ValueError(f"{table.count} levels exceed the id coder's {MAX_LEVELS}")
         self._fitted = table
-        lookup = table.lookup(flat.device)
-        ids = assign_ids(keys, lookup, table, self._hints.get("prune_mask"), self._hints.get("protect_mask"))
+        ids = assign_ids(keys, table, self._hints.get("prune_mask"), self._hints.get("protect_mask"))
         predicted = changed = None
         fingerprint = 0
         if reference is not None:
             fingerprint = reference_fingerprint(reference)
-            predicted = lookup.index_select(0, _signed_keys(reference))
+            predicted = table.ids(_signed_keys(reference))
             changed = torch.nonzero(ids != predicted).reshape(-1)
             if self.stickiness > 0 and changed.numel():
                 keep = stick_to_predicted(flat, changed, ids, predicted, table, self.stickiness)

@@ -27,7 +27,7 @@ positive centroids), so small moves between checkpoints are small deltas.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
 import torch
@@ -58,6 +58,10 @@ LINEAR, LOG = "linear", "log"
 DOMAINS = (LINEAR, LOG)
 #: Magnitude keys from here on hold infinities and NaNs (exponent bits all ones).
 FIRST_NON_FINITE_KEY = 255 << 6
+
+#: Tensors of fewer than ``SIGNED_KEYS / DIRECT_IDS_FRACTION`` elements get their ids key by
+#: key (:meth:`LevelTable.ids`) instead of from the whole key table.
+DIRECT_IDS_FRACTION = 8
 
 _CENTRES: dict[torch.device, torch.Tensor] = {}
 _KEY_TABLES: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -101,6 +105,8 @@ class LevelTable:
     domain: str = LINEAR
     prune_below: int = 1
     protect_above: int = FIRST_NON_FINITE_KEY - 1
+    #: :meth:`lookup` per device, made once (an encode looks up the tensor and its reference)
+    _lookups: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def count(self) -> int:
@@ -130,8 +136,14 @@ class LevelTable:
         return (low + high) / 2
 
     def lookup(self, device: Optional[torch.device] = None) -> torch.Tensor:
-        """Signed key -> id (length ``SIGNED_KEYS``, :func:`id_dtype`)."""
-        device = device or self.values.device
+        """Signed key -> id (length ``SIGNED_KEYS``, :func:`id_dtype`; do not modify it)."""
+        device = torch.device(device or self.values.device)
+        table = self._lookups.get(device)
+        if table is None:
+            table = self._lookups[device] = self._make_lookup(device)
+        return table
+
+    def _make_lookup(self, device: torch.device) -> torch.Tensor:
         positive, magnitude, negative = _key_tables(device)
         boundaries = self.boundaries().to(device)
         # The nearest centroid of a value x is the number of boundaries below x. Bucket
@@ -148,6 +160,32 @@ class LevelTable:
         protect = magnitude > min(self.protect_above, FIRST_NON_FINITE_KEY - 1)
         if self.domain == LOG:
             # Only positive values have a level in the log domain; negative ones are protected.
+            protect |= negative & (magnitude > 0)
+        ids = torch.where(magnitude < max(self.prune_below, 1), self.zero_index, ids)
+        ids = torch.where(protect, self.protect_id, ids)
+        return ids.to(id_dtype(self.count))
+
+    def ids(self, keys: torch.Tensor) -> torch.Tensor:
+        """The id of each signed key: ``lookup()[keys]``, flattened.
+
+        Few keys (a small tensor) get their ids directly (the nearest centroid of a value is
+        the number of boundaries below it, found by one search per key), which is far
+        cheaper than the whole table; the two agree on every key (tested on all of them).
+        """
+        keys = keys.reshape(-1)
+        if keys.numel() * DIRECT_IDS_FRACTION >= SIGNED_KEYS:
+            return self.lookup(keys.device).index_select(0, keys)
+        positive = _key_tables(keys.device)[0]
+        keys = keys.long()
+        magnitude = keys & (MAGNITUDE_KEYS - 1)
+        negative = keys >= MAGNITUDE_KEYS
+        centres = positive.index_select(0, magnitude)
+        nearest = torch.searchsorted(
+            self.boundaries().to(keys.device), torch.where(negative, -centres, centres), right=False
+        )
+        ids = nearest + (nearest >= self.zero_index).long()
+        protect = magnitude > min(self.protect_above, FIRST_NON_FINITE_KEY - 1)
+        if self.domain == LOG:
             protect |= negative & (magnitude > 0)
         ids = torch.where(magnitude < max(self.prune_below, 1), self.zero_index, ids)
         ids = torch.where(protect, self.protect_id, ids)
@@ -240,13 +278,12 @@ def make_level_table(
 
 def assign_ids(
     keys: torch.Tensor,
-    lookup: torch.Tensor,
     table: LevelTable,
     prune: Optional[torch.Tensor] = None,
     protect: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """The id of every element from its signed key; element masks override (protect wins)."""
-    ids = lookup.index_select(0, keys.reshape(-1))
+    ids = table.ids(keys)
     if prune is not None:
         ids = ids.masked_fill(prune.reshape(-1), table.zero_index)
     if protect is not None:

@@ -513,7 +513,7 @@ class ConfigurationCube:
         """The weight as the configuration stores it (nearest levels, no delta stickiness)."""
         trial, result = self.trials[index], self.result(index, point, metric)
         table = result.table
-        ids = assign_ids(trial.keys, table.lookup(trial.flat.device), table, result.prune_mask, result.protect_mask)
+        ids = assign_ids(trial.keys, table.to(trial.flat.device), result.prune_mask, result.protect_mask)
         positions = torch.nonzero(ids == table.protect_id).reshape(-1)
         tensor = self.leaves[index].tensor
         protected = trial.flat[positions].to(torch.float16 if tensor.dtype == torch.float16 else torch.bfloat16)
