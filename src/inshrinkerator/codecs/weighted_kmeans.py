@@ -289,9 +289,8 @@ class _Rows:
         # concatenating small tensors costs as much as the arithmetic.
         prefix = torch.nn.functional.pad(torch.cumsum(torch.stack([self.weights, self.moments], 1), 2), (1, 0))
         # Two bound buffers in turn (this iteration's and the last one's), compared without a
-        # copy; each with a view of its inner entries, the cuts proper.
-        # Each with its inner entries (the cuts proper) and its view as the gather index of
-        # both prefix sums.
+        # copy; each with a view of its inner entries (the cuts proper) and one as the gather
+        # index of both prefix sums.
         buffers = []
         for _ in range(2):
             buffer = torch.empty(rows, 1, count + 1, dtype=torch.long, device=device)
