@@ -156,14 +156,7 @@ class LevelTable:
         nearest = torch.cat(
             [torch.cumsum(count_positive, 0)[:-1], boundaries.numel() - torch.cumsum(count_negative, 0)[:-1]]
         )
-        ids = nearest + (nearest >= self.zero_index).long()
-        protect = magnitude > min(self.protect_above, FIRST_NON_FINITE_KEY - 1)
-        if self.domain == LOG:
-            # Only positive values have a level in the log domain; negative ones are protected.
-            protect |= negative & (magnitude > 0)
-        ids = torch.where(magnitude < max(self.prune_below, 1), self.zero_index, ids)
-        ids = torch.where(protect, self.protect_id, ids)
-        return ids.to(id_dtype(self.count))
+        return self._ids_from_nearest(nearest, magnitude, negative)
 
     def ids(self, keys: torch.Tensor) -> torch.Tensor:
         """The id of each signed key: ``lookup()[keys]``, flattened.
@@ -183,9 +176,16 @@ class LevelTable:
         nearest = torch.searchsorted(
             self.boundaries().to(keys.device), torch.where(negative, -centres, centres), right=False
         )
+        return self._ids_from_nearest(nearest, magnitude, negative)
+
+    def _ids_from_nearest(self, nearest: torch.Tensor, magnitude: torch.Tensor, negative: torch.Tensor) -> torch.Tensor:
+        """Ids of keys whose values have ``nearest`` centroids (indices among the centroids),
+        given their magnitude keys and signs: the zero level skipped, then pruning and
+        protection by magnitude key."""
         ids = nearest + (nearest >= self.zero_index).long()
         protect = magnitude > min(self.protect_above, FIRST_NON_FINITE_KEY - 1)
         if self.domain == LOG:
+            # Only positive values have a level in the log domain; negative ones are protected.
             protect |= negative & (magnitude > 0)
         ids = torch.where(magnitude < max(self.prune_below, 1), self.zero_index, ids)
         ids = torch.where(protect, self.protect_id, ids)
