@@ -421,7 +421,7 @@ class ConfigurationCube:
         # The tensors walk their axes side by side, one step each per round (each tensor's
         # trials run in the order they would alone, so warm starts are the same).
         walking = list(self.trials)
-        errors = dict(zip(walking, (e / self.scales.get(i, 1.0) for i, e in self._errors(walking, point, metric))))
+        errors = {index: error / self.scales.get(index, 1.0) for index, error in self._errors(walking, point, metric)}
         chosen = {index: self.config(index, point, metric).bins for index in walking}
         runs = 0
         step = 1
