@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from inshrinkerator.bench.suite import source_commit
 from inshrinkerator.bench.workloads import WORKLOADS, make_workload
 from inshrinkerator.store import CheckpointManager
 
@@ -100,14 +101,6 @@ def _child(case: str) -> dict[str, Any]:
         return workload_run(case, Path(folder))
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", action="append", choices=sorted(WORKLOADS), default=None)
@@ -131,7 +124,7 @@ def main() -> None:
             flush=True,
         )
     if args.out:
-        document = {"benchmark": "synchronous save speed", "commit": _commit(), "target_mb_per_second": 100, "rows": rows}
+        document = {"benchmark": "synchronous save speed", **source_commit(), "target_mb_per_second": 100, "rows": rows}
         args.out.write_text(json.dumps(document, indent=1) + "\n")
         print(f"wrote {args.out}")
 

@@ -82,10 +82,6 @@ class SpareBuffers:
         """The shape, strides and dtype of each of ``tensors`` (of a snapshot)."""
         return [(tuple(t.shape), tuple(t.stride()), t.dtype) for t in tensors]
 
-    @property
-    def nbytes(self) -> int:
-        return tensor_bytes_of(self._buffers)
-
     def matching(self, tensors: Sequence[torch.Tensor]) -> list[Optional[torch.Tensor]]:
         """The buffer for each of ``tensors`` (in snapshot order), or None where it does not
         fit: another count of tensors, shape, stride or dtype. Each buffer is handed out once."""
