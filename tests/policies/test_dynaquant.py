@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 
 import pytest
@@ -656,6 +657,35 @@ def test_precision_only_grows_between_checkpoints() -> None:
     loose.plan(leaves, [None] * len(leaves))
     assert min(int(b) for b in loose.search_log[-1].config["tensors_by_bins"]) <= min(int(b) for b in second)
 
+
+
+@pytest.mark.parametrize("joint", [True, False])
+def test_a_pruned_first_moment_entry_restarts_with_a_zero_second_moment(tmp_path, joint) -> None:
+    _, (state,) = _states(1)
+    policy = DynaQuant(first_moment_keep=0.1, first_moment_keep_after=0, joint_moment_mask=joint)
+    info = ink.save(state, tmp_path / "m.ink", policy=policy)
+    loaded = ink.load(tmp_path / "m.ink")["optimizer"]["state"]
+    large = [key for key, entry in state["optimizer"]["state"].items() if entry["exp_avg"].numel() >= 1024]
+    assert large
+    for key in large:
+        v = state["optimizer"]["state"][key]["exp_avg_sq"]
+        m_restored, v_restored = loaded[key]["exp_avg"], loaded[key]["exp_avg_sq"]
+        assert float((m_restored != 0).float().mean()) < 0.13
+        # no restored step divides a kept momentum by a zero second moment
+        assert bool((v_restored[m_restored != 0] > 0).all())
+        zeros = v_restored == 0
+        if joint:
+            assert 0.85 < float(zeros.float().mean()) < 0.95
+            assert bool((m_restored[zeros] == 0).all())
+            # the levels are fitted on the kept entries alone: each stays near its value
+            octaves = (v_restored[~zeros] / v[~zeros]).log2().abs()
+            assert float(octaves.max()) < 2.0 and float(octaves.mean()) < 0.4  # 0.49 if fitted on all
+        else:
+            assert bool((zeros == (v == 0)).all())
+    whole = ink.save(state, tmp_path / "whole.ink", policy=dataclasses.replace(policy, joint_moment_mask=False))
+    assert (info.stored_bytes < whole.stored_bytes) if joint else (info.stored_bytes == whole.stored_bytes)
+    with pytest.raises(ValueError, match="joint_moment_mask"):
+        DynaQuant(joint_moment_mask=1)
 
 
 @pytest.mark.parametrize("after, pruned", [(5, True), (6, False)])

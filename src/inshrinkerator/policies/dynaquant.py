@@ -29,11 +29,11 @@ Per checkpoint:
    than doubles, coded without a reference (moments decorrelate between saves). Pruning in
    ExCP's spirit: at a checkpoint at least ``first_moment_keep_after`` optimizer steps
    after its reference, ``exp_avg`` keeps only the ``first_moment_keep`` fraction with
-   the largest ``|m| / sqrt(v)``; the others restart from 0 after a restore, ~10 steps
-   (``1 / (1 - beta1)``) of smaller updates, which costs nothing measurable when
-   checkpoints are 30-40 steps apart and 4% accuracy on the MiniLM fine-tune, which
-   checkpoints every 10 steps (docs/dynaquant.md). ``momentum_keep`` prunes an SGD
-   momentum buffer by magnitude (off by default).
+   the largest ``|m| / sqrt(v)``; with ``joint_moment_mask`` (the default) the others'
+   second moments are stored as 0 too, so their whole optimizer state restarts from 0
+   after a restore (pruning at every checkpoint cost 4% accuracy on the MiniLM
+   fine-tune, which checkpoints every 10 steps; docs/dynaquant.md). ``momentum_keep``
+   prunes an SGD momentum buffer by magnitude (off by default).
 3. **Second moments** (Adam's ``exp_avg_sq``; RMSprop's and Adadelta's ``square_avg``,
    Adagrad's ``sum``) and the optimizers' other non-negative statistics (AMSGrad's
    ``max_exp_avg_sq``, Adamax's ``exp_inf``, Adadelta's ``acc_delta``; see
@@ -207,6 +207,12 @@ class DynaQuant(ParamGroupPolicy):
         second_moment: ``"quantized"`` (log-domain levels, delta-coded) or ``"factored"``
             (row and column means, Adafactor's estimate, for tensors of 2+ dims; vectors
             are quantized): far smaller, but it cost up to 1% on the char-GPT benchmark.
+        joint_moment_mask: where ``first_moment_keep`` prunes an Adam entry's first moment,
+            store its second moment as 0 too (ExCP's joint mask): the pruned entries'
+            optimizer state restarts from zero after a restore, as a fresh Adam's does, and
+            the second moment's bytes fall ~3x. Off, the second moment is kept whole, and a
+            pruned entry restarts with its momentum alone at 0, which made its first steps
+            after a restore too small (docs/dynaquant.md, *Joint moment mask*).
         residual_bins: the levels tried, most first, for a weight that moved less than its
             own levels' spacing and is stored as its change since the reference: it takes
             the fewest whose error stays within its budget (the first when none does). The
@@ -239,6 +245,7 @@ class DynaQuant(ParamGroupPolicy):
     momentum_keep: float = 1.0
     second_moment_bins: int = 8
     second_moment: str = "quantized"
+    joint_moment_mask: bool = True
     residual_bins: tuple[int, ...] = (16,)
     min_numel: int = 1024
     moment_min_numel: int = 64
@@ -258,8 +265,9 @@ class DynaQuant(ParamGroupPolicy):
         _check_grid("residual_bins", self.residual_bins, int, 1, 1024)
         _check_number("sigma", self.sigma, 0.0, 1.0)
         _check_number("stickiness", self.stickiness, 0.0, 4.0)
-        if not isinstance(self.precision_only_grows, bool):
-            raise ValueError(f"precision_only_grows must be a bool, got {self.precision_only_grows!r}")
+        for knob in ("precision_only_grows", "joint_moment_mask"):
+            if not isinstance(getattr(self, knob), bool):
+                raise ValueError(f"{knob} must be a bool, got {getattr(self, knob)!r}")
         _check_number("first_moment_keep", self.first_moment_keep, 0.0, 1.0)
         _check_number("momentum_keep", self.momentum_keep, 0.0, 1.0)
         after = self.first_moment_keep_after
@@ -707,7 +715,11 @@ class DynaQuant(ParamGroupPolicy):
             )
         ]
         items.sort(key=lambda item: -leaves[item[0]].tensor.numel())
-        sketched = parallel_map(lambda item: self._sketch_moment(leaves, references, layout, *item, first_keep), items)
+        pruned_with = self._joint_masks(leaves, layout, items, first_keep)
+        sketched = parallel_map(
+            lambda item: self._sketch_moment(leaves, references, layout, *item, first_keep, pruned_with.get(item[0])),
+            items,
+        )
         plans = [plan for plan in sketched if isinstance(plan, _MomentPlan)]
         zero_levels = [plan for plan in plans if plan.zero_levels is not None]
         for plan, extra in zip(zero_levels, _zero_level_hints_batch([p.zero_levels for p in zero_levels], self.sigma)):
@@ -727,10 +739,12 @@ class DynaQuant(ParamGroupPolicy):
         index: int,
         role: TensorRole,
         first_keep: float,
+        first: Optional[int] = None,
     ) -> "Codec | _MomentPlan":
         """The codec of one first or second moment, or what is left to fit of it (reads the
         policy's memory; the codec writes back the levels it fits when it encodes);
-        ``first_keep``: the fraction of Adam's first moment kept at this checkpoint."""
+        ``first_keep``: the fraction of Adam's first moment kept at this checkpoint;
+        ``first``: for a second moment, the first moment whose pruned entries it stores as 0."""
         tensor = leaves[index].tensor.detach()
         key = format_key_path(leaves[index].path)
         if role is TensorRole.SECOND_MOMENT and self._factored(tensor):
@@ -768,11 +782,44 @@ class DynaQuant(ParamGroupPolicy):
                 sigma=0.5, stickiness=self.stickiness / 2,
             )
             extra = {}
+            if first is not None:
+                # ExCP's joint mask: where the first moment is pruned, so is the second, and
+                # the levels (and the protected largest values) are those of the kept entries.
+                prune_mask = _first_moment_prune_mask(leaves[first].tensor, tensor, first_keep)
+                counts = torch.bincount(keys[~prune_mask], minlength=SIGNED_KEYS).cpu()
+                extra = {"prune_mask": prune_mask}
         init = self._memory.centroids.get(key)
         # No keys hint: the codec recomputes them (one cheap pass) when the writer encodes, so
         # the moments' keys are not all held at once between planning and writing.
         hints = {"counts": counts, "init": init if init is not None and init.numel() == bins else None, **extra}
         return _MomentPlan(key, codec, hints, zero_levels)
+
+    def _joint_masks(
+        self,
+        leaves: Sequence[TensorLeaf],
+        layout: StateLayout,
+        items: Sequence[tuple[int, TensorRole]],
+        first_keep: float,
+    ) -> dict[int, int]:
+        """``{second moment: its first moment}`` for the Adam entries whose first moment this
+        checkpoint prunes (``first_keep`` < 1, neither under ``min_numel``) when
+        ``joint_moment_mask`` is on: those second moments are pruned with the same mask."""
+        if not self.joint_moment_mask or first_keep >= 1.0:
+            return {}
+        planned = dict(items)
+        joint = {}
+        for index, role in items:
+            if role is not TensorRole.FIRST_MOMENT or leaves[index].tensor.numel() < self.min_numel:
+                continue
+            second = layout.entry_moments(index).get(TensorRole.SECOND_MOMENT)
+            if (
+                second is not None
+                and planned.get(second) is TensorRole.SECOND_MOMENT
+                and leaves[second].tensor.shape == leaves[index].tensor.shape
+                and not self._factored(leaves[second].tensor)
+            ):
+                joint[second] = index
+        return joint
 
     def _factored(self, tensor: torch.Tensor) -> bool:
         if self.second_moment != "factored" or factored_shape(tuple(tensor.shape)) is None:
@@ -810,15 +857,22 @@ class DynaQuant(ParamGroupPolicy):
         if role is TensorRole.MOMENTUM_BUFFER or second is None or second.shape != moment.shape:
             prune_below, _ = magnitude_thresholds(counts, 1.0 - keep, 0.0)
             return {"prune_below": prune_below}, None
-        score = (moment.abs().float() / (second.detach().float().sqrt() + 1e-8)).reshape(-1)
-        score_keys = magnitude_keys(score)
-        cut = quantile_key(torch.bincount(score_keys, minlength=MAGNITUDE_KEYS), 1.0 - keep)
-        prune_mask = (score_keys < cut) | ~torch.isfinite(score)
+        prune_mask = _first_moment_prune_mask(moment, second, keep)
         kept = torch.bincount(keys[~prune_mask], minlength=SIGNED_KEYS).cpu()
         # The kept entries get the same symmetric levels around an exact zero as a whole
         # moment: plain k-means rounded some small |m| (high score: small v) up to a far
         # larger level, and those restored steps blew up a digits run.
         return {"prune_mask": prune_mask}, (kept, bins)
+
+
+def _first_moment_prune_mask(moment: torch.Tensor, second: torch.Tensor, keep: float) -> torch.Tensor:
+    """The flat mask of the Adam first-moment entries stored as 0: all but the ``keep``
+    fraction with the largest ``|m| / sqrt(v)`` (to the sketch's accuracy), and any whose
+    score is not finite."""
+    score = (moment.detach().abs().float() / (second.detach().float().sqrt() + 1e-8)).reshape(-1)
+    score_keys = magnitude_keys(score)
+    cut = quantile_key(torch.bincount(score_keys, minlength=MAGNITUDE_KEYS), 1.0 - keep)
+    return (score_keys < cut) | ~torch.isfinite(score)
 
 
 @dataclass
