@@ -688,6 +688,45 @@ def test_a_pruned_first_moment_entry_restarts_with_a_zero_second_moment(tmp_path
         DynaQuant(joint_moment_mask=1)
 
 
+def _adam_entry(step: int, m: torch.Tensor, v: torch.Tensor) -> dict:
+    weight = torch.linspace(-1, 1, m.numel()).reshape(m.shape)
+    return {
+        "model": {"w": weight},
+        "optimizer": {"state": {0: {"step": torch.tensor(float(step)), "exp_avg": m, "exp_avg_sq": v}},
+                      "param_groups": [{"lr": 1e-3, "params": [0]}]},
+    }
+
+
+@pytest.mark.parametrize("v_moves", [False, True])
+def test_the_second_moment_keeps_the_smaller_of_whole_and_joint(tmp_path, v_moves) -> None:
+    # Between two checkpoints 40 steps apart the first moment changes (so does its pruning
+    # mask). A second moment that barely moved is a cheap delta whole, and the moving mask
+    # would cost more than it saves: it stays whole. One that moved everywhere is stored
+    # with the mask.
+    generator = torch.Generator().manual_seed(7)
+    shape = (256, 64)
+    v0 = torch.rand(shape, generator=generator).pow(4) * 1e-4 + 1e-8
+    v1 = torch.rand(shape, generator=generator).pow(4) * 1e-4 + 1e-8 if v_moves else v0 * 1.0001
+    states = [
+        _adam_entry(0, torch.randn(shape, generator=generator) * 1e-3, v0),
+        _adam_entry(40, torch.randn(shape, generator=generator) * 1e-3, v1),
+    ]
+    stored = {}
+    for joint in (True, False):
+        folder = tmp_path / str(joint)
+        with ink.CheckpointManager(folder, policy=DynaQuant(joint_moment_mask=joint)) as manager:
+            for step, state in zip((0, 40), states):
+                manager.save(step, state)
+        with ink.CheckpointManager(folder) as reader:
+            restored = reader.load(40)["optimizer"]["state"][0]
+        stored[joint] = sum(f.stat().st_size for f in folder.rglob("*.ink"))
+        m_zero = float((restored["exp_avg"] == 0).float().mean())
+        v_zero = float((restored["exp_avg_sq"] == 0).float().mean())
+        assert m_zero > 0.85  # pruned either way
+        assert v_zero > 0.85 if (joint and v_moves) else v_zero == 0.0
+    assert stored[True] < stored[False] if v_moves else stored[True] == stored[False]
+
+
 @pytest.mark.parametrize("after, pruned", [(5, True), (6, False)])
 def test_first_moments_are_pruned_only_far_enough_from_the_reference(tmp_path, after, pruned) -> None:
     # The states are 5 Adam steps apart: the delta prunes when first_moment_keep_after <= 5.

@@ -140,6 +140,16 @@ class EntropyStats:
             self.table_bytes += table
             self.parts += 1
 
+    def merge(self, other: "EntropyStats") -> None:
+        """Add the counts of ``other`` (figures gathered apart, e.g. for an encoding that
+        was then chosen among several)."""
+        with self._lock:
+            self.symbols += other.symbols
+            self.entropy_bits += other.entropy_bits
+            self.payload_bytes += other.payload_bytes
+            self.table_bytes += other.table_bytes
+            self.parts += other.parts
+
     @property
     def payload_overhead(self) -> float:
         """Payload bytes over the order-0 entropy, minus one (0.01: 1% above the bound)."""

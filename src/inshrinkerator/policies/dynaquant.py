@@ -59,7 +59,7 @@ from typing import Any, Optional
 import torch
 
 from ..codecs import Codec, ResidualCodec
-from ..codecs.base import same_bits
+from ..codecs.base import Encoded, same_bits
 from ..codecs._parallel import parallel_map
 from ..codecs.bucket_delta import EntropyStats
 from ..codecs.dynaquant import DynaQuantCodec, DynaQuantDeltaCodec
@@ -332,19 +332,24 @@ class DynaQuant(ParamGroupPolicy):
             eligible[index] = False
         weights = self._plan_weights(leaves, references, layout, eligible, codecs)
         first_keep = self._first_moment_keep_at(_steps_since_reference(leaves, references))
-        self._plan_moments(leaves, references, layout, eligible, codecs, first_keep)
+        choices = self._plan_moments(leaves, references, layout, eligible, codecs, first_keep)
         # Encode now, in parallel: the writer's encode calls then return at once, and the
         # stored weights' real error (stickiness included) can be checked against the budget.
         prepared = [
             (i, codecs[i]) for i in range(len(leaves)) if isinstance(codecs[i], PreparedEncoding)
         ]
-        prepared.sort(key=lambda item: -leaves[item[0]].tensor.numel())
-        encoded = parallel_map(
+        # (index, codec, whether it is a second moment's joint alternative)
+        work = [(i, codec, False) for i, codec in prepared] + [(i, c.joint.codec, True) for i, c in choices.items()]
+        work.sort(key=lambda item: -leaves[item[0]].tensor.numel())
+        results = parallel_map(
             lambda item: item[1].prepare(leaves[item[0]].tensor, _reference_for(item[1], leaves[item[0]], references[item[0]])),
-            prepared,
+            work,
         )
+        encoded = {(i, joint): result for (i, _, joint), result in zip(work, results)}
+        for index, choice in choices.items():
+            codecs[index] = choice.settle(encoded[index, False], encoded[index, True], self._memory)
         if weights is not None:
-            self._check_stored_weights(leaves, references, codecs, weights, dict(zip((i for i, _ in prepared), encoded)))
+            self._check_stored_weights(leaves, references, codecs, weights, {i: encoded[i, False] for i, _ in prepared})
         return codecs
 
     def _check_stored_weights(
@@ -701,7 +706,10 @@ class DynaQuant(ParamGroupPolicy):
         eligible: list[bool],
         codecs: list[Codec],
         first_keep: float,
-    ) -> None:
+    ) -> dict[int, "_SecondMomentChoice"]:
+        """Plan every moment's codec into ``codecs``; returns the second moments that may be
+        stored either whole or with their first moment's mask (``joint_moment_mask``): the
+        smaller encoding is kept once both are encoded."""
         # Each moment is sketched (every element read) on its own: shared out between threads,
         # largest first. Their levels are then fitted all at once (a moment's histogram is a
         # few thousand buckets: one k-means each would cost mostly per-operation overhead),
@@ -720,7 +728,10 @@ class DynaQuant(ParamGroupPolicy):
             lambda item: self._sketch_moment(leaves, references, layout, *item, first_keep, pruned_with.get(item[0])),
             items,
         )
-        plans = [plan for plan in sketched if isinstance(plan, _MomentPlan)]
+        plans = [
+            plan for entry in sketched
+            for plan in (entry if isinstance(entry, tuple) else (entry,)) if isinstance(plan, _MomentPlan)
+        ]
         zero_levels = [plan for plan in plans if plan.zero_levels is not None]
         for plan, extra in zip(zero_levels, _zero_level_hints_batch([p.zero_levels for p in zero_levels], self.sigma)):
             plan.hints.update(extra)
@@ -728,8 +739,14 @@ class DynaQuant(ParamGroupPolicy):
         fits = [plan.codec.with_hints(**plan.hints).centroid_fit(plan.hints["counts"]) for plan in fitting]
         for plan, centroids in zip(fitting, fit_centroids_batch(fits)):
             plan.hints["centroids"] = centroids
+        choices: dict[int, _SecondMomentChoice] = {}
         for (index, _), plan in sorted(zip(items, sketched), key=lambda pair: pair[0][0]):
-            codecs[index] = plan.finish(self._memory) if isinstance(plan, _MomentPlan) else plan
+            if isinstance(plan, tuple):
+                choices[index] = _SecondMomentChoice(*(_Candidate.of(part, self._memory) for part in plan))
+                codecs[index] = choices[index].whole.codec
+            else:
+                codecs[index] = plan.finish(self._memory) if isinstance(plan, _MomentPlan) else plan
+        return choices
 
     def _sketch_moment(
         self,
@@ -740,11 +757,12 @@ class DynaQuant(ParamGroupPolicy):
         role: TensorRole,
         first_keep: float,
         first: Optional[int] = None,
-    ) -> "Codec | _MomentPlan":
+    ) -> "Codec | _MomentPlan | tuple[_MomentPlan, _MomentPlan]":
         """The codec of one first or second moment, or what is left to fit of it (reads the
         policy's memory; the codec writes back the levels it fits when it encodes);
         ``first_keep``: the fraction of Adam's first moment kept at this checkpoint;
-        ``first``: for a second moment, the first moment whose pruned entries it stores as 0."""
+        ``first``: for a second moment, the first moment whose pruned entries it may store
+        as 0 (then both plans: whole, and with that mask)."""
         tensor = leaves[index].tensor.detach()
         key = format_key_path(leaves[index].path)
         if role is TensorRole.SECOND_MOMENT and self._factored(tensor):
@@ -782,17 +800,18 @@ class DynaQuant(ParamGroupPolicy):
                 sigma=0.5, stickiness=self.stickiness / 2,
             )
             extra = {}
-            if first is not None:
-                # ExCP's joint mask: where the first moment is pruned, so is the second, and
-                # the levels (and the protected largest values) are those of the kept entries.
-                prune_mask = _first_moment_prune_mask(leaves[first].tensor, tensor, first_keep)
-                counts = torch.bincount(keys[~prune_mask], minlength=SIGNED_KEYS).cpu()
-                extra = {"prune_mask": prune_mask}
         init = self._memory.centroids.get(key)
+        init = init if init is not None and init.numel() == bins else None
         # No keys hint: the codec recomputes them (one cheap pass) when the writer encodes, so
         # the moments' keys are not all held at once between planning and writing.
-        hints = {"counts": counts, "init": init if init is not None and init.numel() == bins else None, **extra}
-        return _MomentPlan(key, codec, hints, zero_levels)
+        plan = _MomentPlan(key, codec, {"counts": counts, "init": init, **extra}, zero_levels)
+        if first is None:
+            return plan
+        # ExCP's joint mask: where the first moment is pruned, so is the second, and the
+        # levels (and the protected largest values) are those of the kept entries.
+        prune_mask = _first_moment_prune_mask(leaves[first].tensor, tensor, first_keep)
+        kept = torch.bincount(keys[~prune_mask], minlength=SIGNED_KEYS).cpu()
+        return plan, _MomentPlan(key, codec, {"counts": kept, "init": init, "prune_mask": prune_mask}, None)
 
     def _joint_masks(
         self,
@@ -885,15 +904,65 @@ class _MomentPlan:
     #: the histogram and level count of symmetric levels around zero (first moments)
     zero_levels: Optional[tuple[torch.Tensor, int]]
 
-    def finish(self, memory: "_Memory") -> Codec:
+    def finish(
+        self,
+        memory: "_Memory",
+        stats: Optional[EntropyStats] = None,
+        centroids: Optional[dict[str, torch.Tensor]] = None,
+    ) -> Codec:
         """The codec with its hints; the levels it encodes with warm-start this moment's
-        k-means at the next checkpoint."""
-        centroids, key = memory.centroids, self.key
+        k-means at the next checkpoint (kept in ``centroids``, by default the memory's).
+        ``stats``: where its entropy-stage figures go (default: the memory's)."""
+        centroids = memory.centroids if centroids is None else centroids
+        key = self.key
 
         def remember(table: LevelTable) -> None:
             centroids[key] = table.centroids()
 
-        return self.codec.with_hints(stats=memory.entropy, on_fitted=remember, **self.hints)
+        return self.codec.with_hints(stats=memory.entropy if stats is None else stats, on_fitted=remember, **self.hints)
+
+
+@dataclass
+class _Candidate:
+    """One way to store a second moment, its figures and fitted levels held apart until chosen."""
+
+    codec: Codec
+    stats: EntropyStats
+    centroids: dict[str, torch.Tensor]
+
+    @classmethod
+    def of(cls, plan: _MomentPlan, memory: "_Memory") -> "_Candidate":
+        stats, centroids = EntropyStats(), {}
+        return cls(plan.finish(memory, stats, centroids), stats, centroids)
+
+    def adopt(self, memory: "_Memory") -> Codec:
+        """Count this candidate's figures and levels as the policy's; its codec."""
+        memory.entropy.merge(self.stats)
+        memory.centroids.update(self.centroids)
+        return self.codec
+
+
+@dataclass
+class _SecondMomentChoice:
+    """A second moment stored whole or with its first moment's mask, whichever is smaller.
+
+    The mask saves the pruned entries' values, but where the second moment barely changes
+    between checkpoints (``beta2`` near 1: its ids are cheap deltas) the mask's own entropy,
+    which moves from checkpoint to checkpoint, costs more than it saves (the digits CNN's
+    Adam); where it changes fast (the char GPT's ``beta2 = 0.95``) it stores far less.
+    """
+
+    whole: _Candidate
+    joint: _Candidate
+
+    def settle(self, whole: Encoded, joint: Encoded, memory: "_Memory") -> Codec:
+        """The codec of the smaller of the two encodings; a tie keeps the whole moment."""
+        smaller = _encoded_size(joint) < _encoded_size(whole)
+        return (self.joint if smaller else self.whole).adopt(memory)
+
+
+def _encoded_size(encoded: Encoded) -> int:
+    return sum(len(stream) for stream in encoded.streams)
 
 
 def _steps_since_reference(leaves: Sequence[TensorLeaf], references: Sequence[Optional[torch.Tensor]]) -> Optional[int]:
