@@ -30,10 +30,11 @@ Per checkpoint:
    ExCP's spirit: at a checkpoint at least ``first_moment_keep_after`` optimizer steps
    after its reference, ``exp_avg`` keeps only the ``first_moment_keep`` fraction with
    the largest ``|m| / sqrt(v)``; with ``joint_moment_mask`` (the default) the others'
-   second moments are stored as 0 too, so their whole optimizer state restarts from 0
-   after a restore (pruning at every checkpoint cost 4% accuracy on the MiniLM
-   fine-tune, which checkpoints every 10 steps; docs/dynaquant.md). ``momentum_keep``
-   prunes an SGD momentum buffer by magnitude (off by default).
+   second moments may be stored as 0 too, when that is the smaller encoding, so that
+   their whole optimizer state restarts from 0 after a restore (pruning at every
+   checkpoint cost 4% accuracy on the MiniLM fine-tune, which checkpoints every 10 steps;
+   docs/dynaquant.md). ``momentum_keep`` prunes an SGD momentum buffer by magnitude (off
+   by default).
 3. **Second moments** (Adam's ``exp_avg_sq``; RMSprop's and Adadelta's ``square_avg``,
    Adagrad's ``sum``) and the optimizers' other non-negative statistics (AMSGrad's
    ``max_exp_avg_sq``, Adamax's ``exp_inf``, Adadelta's ``acc_delta``; see
@@ -208,11 +209,15 @@ class DynaQuant(ParamGroupPolicy):
             (row and column means, Adafactor's estimate, for tensors of 2+ dims; vectors
             are quantized): far smaller, but it cost up to 1% on the char-GPT benchmark.
         joint_moment_mask: where ``first_moment_keep`` prunes an Adam entry's first moment,
-            store its second moment as 0 too (ExCP's joint mask): the pruned entries'
-            optimizer state restarts from zero after a restore, as a fresh Adam's does, and
-            the second moment's bytes fall ~3x. Off, the second moment is kept whole, and a
-            pruned entry restarts with its momentum alone at 0, which made its first steps
-            after a restore too small (docs/dynaquant.md, *Joint moment mask*).
+            also encode its second moment with the pruned entries as 0 (ExCP's joint mask)
+            and store whichever encoding is smaller. Where the mask wins (second moments
+            that change fast between checkpoints: 26 % fewer second-moment bytes on the
+            char-GPT benchmark, whose ``beta2`` is 0.95), the pruned entries' optimizer
+            state restarts from zero after a restore, and their first steps are larger than
+            before it; with the moment whole, only their momentum restarts, and their first
+            steps are smaller. With ``beta2 = 0.999`` a restarted step can reach 5-14x
+            its steady size for tens of steps: False keeps every second moment whole
+            (docs/dynaquant.md, *Joint moment mask*).
         residual_bins: the levels tried, most first, for a weight that moved less than its
             own levels' spacing and is stored as its change since the reference: it takes
             the fewest whose error stays within its budget (the first when none does). The
