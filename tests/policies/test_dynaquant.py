@@ -727,6 +727,28 @@ def test_the_second_moment_keeps_the_smaller_of_whole_and_joint(tmp_path, v_move
     assert stored[True] < stored[False] if v_moves else stored[True] == stored[False]
 
 
+@pytest.mark.parametrize("with_reference", [False, True])
+def test_the_mask_floor_is_below_what_a_masked_second_moment_costs(with_reference) -> None:
+    # The floor decides which second moments are worth encoding with their first moment's
+    # mask: it must not exceed what that encoding takes, and it is 0 for a mask the
+    # reference already had.
+    from inshrinkerator.policies.dynaquant import _mask_floor_bytes
+
+    generator = torch.Generator().manual_seed(3)
+    v = torch.rand(128, 96, generator=generator).pow(4) * 1e-4 + 1e-8
+    reference = (torch.rand(128, 96, generator=generator).pow(4) * 1e-4 + 1e-8) if with_reference else None
+    if reference is not None:
+        reference[torch.rand(128, 96, generator=generator) < 0.9] = 0.0
+    mask = torch.rand(v.numel(), generator=generator) < 0.9
+    codec = (DynaQuantDeltaCodec if with_reference else DynaQuantCodec)(bins=8, domain="log", sigma=0.5)
+    stored = codec.with_hints(prune_mask=mask).encode(v, reference)
+    size = sum(len(stream) for stream in stored.streams)
+    floor = _mask_floor_bytes(mask, reference)
+    assert 0.25 * size < floor < size  # the kept entries' levels cost the rest
+    if reference is not None:
+        assert _mask_floor_bytes(reference.reshape(-1) == 0, reference) == 0.0
+
+
 @pytest.mark.parametrize("after, pruned", [(5, True), (6, False)])
 def test_first_moments_are_pruned_only_far_enough_from_the_reference(tmp_path, after, pruned) -> None:
     # The states are 5 Adam steps apart: the delta prunes when first_moment_keep_after <= 5.

@@ -63,6 +63,7 @@ from ..codecs import Codec, ResidualCodec
 from ..codecs.base import Encoded, same_bits
 from ..codecs._parallel import parallel_map
 from ..codecs.bucket_delta import EntropyStats
+from ..codecs.entropy import order0_entropy_bits
 from ..codecs.dynaquant import DynaQuantCodec, DynaQuantDeltaCodec
 from ..codecs.factored_moment import FactoredMomentCodec, factored_shape
 from ..codecs.unchanged import UnchangedCodec
@@ -343,18 +344,21 @@ class DynaQuant(ParamGroupPolicy):
         prepared = [
             (i, codecs[i]) for i in range(len(leaves)) if isinstance(codecs[i], PreparedEncoding)
         ]
-        # (index, codec, whether it is a second moment's joint alternative)
-        work = [(i, codec, False) for i, codec in prepared] + [(i, c.joint.codec, True) for i, c in choices.items()]
-        work.sort(key=lambda item: -leaves[item[0]].tensor.numel())
-        results = parallel_map(
-            lambda item: item[1].prepare(leaves[item[0]].tensor, _reference_for(item[1], leaves[item[0]], references[item[0]])),
-            work,
-        )
-        encoded = {(i, joint): result for (i, _, joint), result in zip(work, results)}
+        prepared.sort(key=lambda item: -leaves[item[0]].tensor.numel())
+
+        def prepare(item: tuple[int, Codec]) -> Encoded:
+            index, codec = item
+            return codec.prepare(leaves[index].tensor, _reference_for(codec, leaves[index], references[index]))  # type: ignore[attr-defined]
+
+        encoded = dict(zip((i for i, _ in prepared), parallel_map(prepare, prepared)))
+        # A second moment's encoding with its first moment's mask, where it can be smaller
+        # than the whole moment's.
+        contenders = [(i, choice.joint.codec) for i, choice in choices.items() if choice.may_win(encoded[i])]
+        joint = dict(zip((i for i, _ in contenders), parallel_map(prepare, contenders)))
         for index, choice in choices.items():
-            codecs[index] = choice.settle(encoded[index, False], encoded[index, True], self._memory)
+            codecs[index] = choice.settle(encoded[index], joint.get(index), self._memory)
         if weights is not None:
-            self._check_stored_weights(leaves, references, codecs, weights, {i: encoded[i, False] for i, _ in prepared})
+            self._check_stored_weights(leaves, references, codecs, weights, encoded)
         return codecs
 
     def _check_stored_weights(
@@ -747,7 +751,10 @@ class DynaQuant(ParamGroupPolicy):
         choices: dict[int, _SecondMomentChoice] = {}
         for (index, _), plan in sorted(zip(items, sketched), key=lambda pair: pair[0][0]):
             if isinstance(plan, tuple):
-                choices[index] = _SecondMomentChoice(*(_Candidate.of(part, self._memory) for part in plan))
+                whole, joint, floor = plan
+                choices[index] = _SecondMomentChoice(
+                    _Candidate.of(whole, self._memory), _Candidate.of(joint, self._memory), floor
+                )
                 codecs[index] = choices[index].whole.codec
             else:
                 codecs[index] = plan.finish(self._memory) if isinstance(plan, _MomentPlan) else plan
@@ -762,12 +769,13 @@ class DynaQuant(ParamGroupPolicy):
         role: TensorRole,
         first_keep: float,
         first: Optional[int] = None,
-    ) -> "Codec | _MomentPlan | tuple[_MomentPlan, _MomentPlan]":
+    ) -> "Codec | _MomentPlan | tuple[_MomentPlan, _MomentPlan, float]":
         """The codec of one first or second moment, or what is left to fit of it (reads the
         policy's memory; the codec writes back the levels it fits when it encodes);
         ``first_keep``: the fraction of Adam's first moment kept at this checkpoint;
         ``first``: for a second moment, the first moment whose pruned entries it may store
-        as 0 (then both plans: whole, and with that mask)."""
+        as 0 (then both plans, whole and with that mask, and the fewest bytes the mask can
+        cost: :func:`_mask_floor_bytes`)."""
         tensor = leaves[index].tensor.detach()
         key = format_key_path(leaves[index].path)
         if role is TensorRole.SECOND_MOMENT and self._factored(tensor):
@@ -816,7 +824,8 @@ class DynaQuant(ParamGroupPolicy):
         # levels (and the protected largest values) are those of the kept entries.
         prune_mask = _first_moment_prune_mask(leaves[first].tensor, tensor, first_keep)
         kept = torch.bincount(keys[~prune_mask], minlength=SIGNED_KEYS).cpu()
-        return plan, _MomentPlan(key, codec, {"counts": kept, "init": init, "prune_mask": prune_mask}, None)
+        joint = _MomentPlan(key, codec, {"counts": kept, "init": init, "prune_mask": prune_mask}, None)
+        return plan, joint, _mask_floor_bytes(prune_mask, reference)
 
     def _joint_masks(
         self,
@@ -959,11 +968,30 @@ class _SecondMomentChoice:
 
     whole: _Candidate
     joint: _Candidate
+    #: fewer bytes than the joint encoding can take (:func:`_mask_floor_bytes`)
+    floor_bytes: float
 
-    def settle(self, whole: Encoded, joint: Encoded, memory: "_Memory") -> Codec:
-        """The codec of the smaller of the two encodings; a tie keeps the whole moment."""
-        smaller = _encoded_size(joint) < _encoded_size(whole)
+    def may_win(self, whole: Encoded) -> bool:
+        """Whether the joint encoding can be smaller than ``whole`` (worth encoding)."""
+        return self.floor_bytes < _encoded_size(whole)
+
+    def settle(self, whole: Encoded, joint: Optional[Encoded], memory: "_Memory") -> Codec:
+        """The codec of the smaller encoding (``joint`` None: not encoded, it could not
+        win); a tie keeps the whole moment."""
+        smaller = joint is not None and _encoded_size(joint) < _encoded_size(whole)
         return (self.joint if smaller else self.whole).adopt(memory)
+
+
+def _mask_floor_bytes(mask: torch.Tensor, reference: Optional[torch.Tensor]) -> float:
+    """The order-0 entropy, in bytes, of which entries ``mask`` stores as 0, given which
+    entries of ``reference`` are 0 (a delta codes each id against the reference's): about
+    the least a stream holding that mask costs, its levels on top."""
+    if reference is None:
+        groups = [mask]
+    else:
+        was_zero = reference.detach().reshape(-1).to(mask.device) == 0
+        groups = [mask[was_zero], mask[~was_zero]]
+    return sum(order0_entropy_bits(group.to(torch.uint8), 2) for group in groups) / 8
 
 
 def _encoded_size(encoded: Encoded) -> int:
