@@ -968,11 +968,11 @@ class _SecondMomentChoice:
 
     whole: _Candidate
     joint: _Candidate
-    #: fewer bytes than the joint encoding can take (:func:`_mask_floor_bytes`)
+    #: about the fewest bytes the joint encoding can take (:func:`_mask_floor_bytes`)
     floor_bytes: float
 
     def may_win(self, whole: Encoded) -> bool:
-        """Whether the joint encoding can be smaller than ``whole`` (worth encoding)."""
+        """Whether the joint encoding may be smaller than ``whole`` (worth encoding)."""
         return self.floor_bytes < _encoded_size(whole)
 
     def settle(self, whole: Encoded, joint: Optional[Encoded], memory: "_Memory") -> Codec:
