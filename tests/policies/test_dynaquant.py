@@ -47,9 +47,10 @@ def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int,
 
 def _states(count: int, optimizer: str = "adam") -> tuple[torch.nn.Module, list[dict]]:
     model = _model()
-    opt = torch.optim.Adam(model.parameters(), 1e-3) if optimizer == "adam" else torch.optim.SGD(
-        model.parameters(), 0.05, momentum=0.9
-    )
+    if optimizer == "sgd":
+        opt = torch.optim.SGD(model.parameters(), 0.05, momentum=0.9)
+    else:  # "adam", or "adam95": beta2 = 0.95, as large language models are trained
+        opt = torch.optim.Adam(model.parameters(), 1e-3, betas=(0.9, 0.95 if optimizer == "adam95" else 0.999))
     states = []
     for index in range(count):
         _train(model, opt, 5, start=5 * index)
@@ -659,9 +660,11 @@ def test_precision_only_grows_between_checkpoints() -> None:
 
 
 
-@pytest.mark.parametrize("joint", [True, False])
-def test_a_pruned_first_moment_entry_restarts_with_a_zero_second_moment(tmp_path, joint) -> None:
-    _, (state,) = _states(1)
+@pytest.mark.parametrize("joint, beta2", [(True, 0.95), (False, 0.95), (True, 0.999)])
+def test_a_pruned_first_moment_entry_restarts_with_a_zero_second_moment(tmp_path, joint, beta2) -> None:
+    # With beta2 = 0.999 a restart would grow the steps up to 14x: the moment stays whole.
+    _, (state,) = _states(1, optimizer="adam95" if beta2 == 0.95 else "adam")
+    joint = joint and beta2 == 0.95
     policy = DynaQuant(first_moment_keep=0.1, first_moment_keep_after=0, joint_moment_mask=joint)
     info = ink.save(state, tmp_path / "m.ink", policy=policy)
     loaded = ink.load(tmp_path / "m.ink")["optimizer"]["state"]
@@ -693,7 +696,7 @@ def _adam_entry(step: int, m: torch.Tensor, v: torch.Tensor) -> dict:
     return {
         "model": {"w": weight},
         "optimizer": {"state": {0: {"step": torch.tensor(float(step)), "exp_avg": m, "exp_avg_sq": v}},
-                      "param_groups": [{"lr": 1e-3, "params": [0]}]},
+                      "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.95), "params": [0]}]},
     }
 
 
@@ -725,6 +728,27 @@ def test_the_second_moment_keeps_the_smaller_of_whole_and_joint(tmp_path, v_move
         assert m_zero > 0.85  # pruned either way
         assert v_zero > 0.85 if (joint and v_moves) else v_zero == 0.0
     assert stored[True] < stored[False] if v_moves else stored[True] == stored[False]
+
+
+def test_the_joint_mask_needs_betas_that_keep_a_restart_s_steps_within_twice() -> None:
+    from inshrinkerator.policies.dynaquant import RESTART_STEP_GROWTH, restart_step_growth
+
+    assert 1.9 < restart_step_growth((0.9, 0.95)) <= RESTART_STEP_GROWTH == 2.0
+    assert 13.0 < restart_step_growth([0.9, 0.999]) < 14.0
+    assert restart_step_growth((0.9, 0.5)) == pytest.approx(1.0)  # a short memory: no growth
+    for unknown in (None, (0.9,), (0.9, 1.0), ("a", "b"), 0.9):
+        assert restart_step_growth(unknown) == float("inf")
+    # Without the state (plan() alone) the betas are unknown: the moment stays whole.
+    generator = torch.Generator().manual_seed(5)
+    state = _adam_entry(0, torch.randn(256, 64, generator=generator), torch.rand(256, 64, generator=generator) + 0.1)
+    leaves = flatten(state).tensors
+    codecs = DynaQuant(first_moment_keep_after=0).plan(leaves, [None] * len(leaves))
+    paths = [format_key_path(leaf.path) for leaf in leaves]
+    second = paths.index("optimizer/state/0/exp_avg_sq")
+    restored = codecs[second].encode(leaves[second].tensor).reconstruction
+    assert bool((restored > 0).all())
+    planned = DynaQuant(first_moment_keep_after=0).plan_state(state, leaves, [None] * len(leaves))
+    assert float((planned[second].encode(leaves[second].tensor).reconstruction == 0).float().mean()) > 0.85
 
 
 @pytest.mark.parametrize("with_reference", [False, True])

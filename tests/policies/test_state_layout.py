@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inshrinkerator.policies.state_layout import TensorRole, layout_of, param_group_ids
+from inshrinkerator.policies.state_layout import TensorRole, layout_of, param_group_ids, param_group_option
 from inshrinkerator.tree import flatten, format_key_path
 
 from ..helpers import training_state
@@ -260,3 +260,24 @@ def test_param_group_ids_reads_only_well_formed_groups() -> None:
     del state["optimizer"]["param_groups"]
     assert param_group_ids(state, leaves) == {}
     assert param_group_ids({"model": model.state_dict()}, flatten({"model": model.state_dict()}).tensors) == {}
+
+
+def test_param_group_option_is_read_per_optimizer_entry() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    optimizer = torch.optim.AdamW(
+        [{"params": model[0].parameters(), "betas": (0.9, 0.95)}, {"params": model[1].parameters()}], lr=1e-3
+    )
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    leaves = flatten(state).tensors
+    paths = ["/".join(str(key) for key in leaf.path) for leaf in leaves]
+    betas = {paths[index]: value for index, value in param_group_option(state, leaves, "betas").items()}
+    assert betas["optimizer/state/0/exp_avg_sq"] == (0.9, 0.95)
+    assert betas["optimizer/state/1/step"] == (0.9, 0.95)
+    assert betas["optimizer/state/2/exp_avg"] == (0.9, 0.999)
+    assert not any(path.startswith("model/") for path in betas)
+    assert param_group_option(state, leaves, "no such option") == {}
+    del state["optimizer"]["param_groups"]
+    assert param_group_option(state, leaves, "betas") == {}

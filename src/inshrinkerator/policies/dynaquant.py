@@ -51,6 +51,7 @@ Per checkpoint:
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -79,13 +80,18 @@ from .dynaquant_search import ConfigurationCube, Point
 from .gradient_watch import GradientWatch
 from .lossless import Lossless
 from .quantization_trials import MAGNITUDE, TrialConfig, WeightTrial, quantile_key
-from .state_layout import StateLayout, TensorRole, layout_of, optimizer_entry_name
+from .state_layout import StateLayout, TensorRole, layout_of, optimizer_entry_name, param_group_ids, param_group_option
 
 __all__ = ["DynaQuant", "PROXY_SCALE", "SearchRecord"]
 
 #: Without ``evaluate``, the proxy must stay below ``tolerance * PROXY_SCALE``.
 PROXY_SCALE = 1.0
 
+#: The joint moment mask is used where a restart grows Adam's steps at most this much
+#: (:func:`restart_step_growth`): the first moment's levels never more than double an
+#: entry either.
+RESTART_STEP_GROWTH = 2.0
+_RESTART_HORIZON = 10_000
 _FIRST_ORDER = (TensorRole.FIRST_MOMENT, TensorRole.MOMENTUM_BUFFER)
 #: Non-negative optimizer statistics, coded in the log domain.
 _POSITIVE = (TensorRole.SECOND_MOMENT, TensorRole.ACCUMULATOR)
@@ -216,8 +222,10 @@ class DynaQuant(ParamGroupPolicy):
             char-GPT benchmark, whose ``beta2`` is 0.95), the pruned entries' optimizer
             state restarts from zero after a restore, and their first steps are larger than
             before it; with the moment whole, only their momentum restarts, and their first
-            steps are smaller. With ``beta2 = 0.999`` a restarted step can reach 5-14x
-            its steady size for tens of steps: False keeps every second moment whole
+            steps are smaller. Only entries whose param group's ``betas`` keep a restarted
+            step within ``RESTART_STEP_GROWTH`` (2x) of its steady size are masked: ``(0.9,
+            0.95)`` qualifies (1.95x), ``(0.9, 0.999)`` would reach 14x and does not, nor do
+            entries whose ``betas`` are unknown. False keeps every second moment whole
             (docs/dynaquant.md, *Joint moment mask*).
         residual_bins: the levels tried, most first, for a weight that moved less than its
             own levels' spacing and is stored as its change since the reference: it takes
@@ -311,12 +319,25 @@ class DynaQuant(ParamGroupPolicy):
         """The entropy stage's bytes against the order-0 entropy of its symbols, so far."""
         return self._memory.entropy
 
+    def plan_state(
+        self,
+        state: Any,
+        leaves: Sequence[TensorLeaf],
+        references: Sequence[Optional[torch.Tensor]],
+    ) -> list[Codec]:
+        groups = param_group_ids(state, leaves)
+        return self.plan_grouped(leaves, references, groups, param_group_option(state, leaves, "betas"))
+
     def plan_grouped(
         self,
         leaves: Sequence[TensorLeaf],
         references: Sequence[Optional[torch.Tensor]],
         param_groups: Optional[dict[KeyPath, list[list[int]]]],
+        betas: Optional[dict[int, Any]] = None,
     ) -> list[Codec]:
+        """One codec per leaf; ``betas``: leaf index -> the ``betas`` of the param group
+        holding that optimizer entry (read from the state by :meth:`plan_state`; the joint
+        moment mask is only used where they are known)."""
         codecs = Lossless().plan(leaves, references)
         watch = self._memory.watch
         watch.refresh()
@@ -338,7 +359,7 @@ class DynaQuant(ParamGroupPolicy):
             eligible[index] = False
         weights = self._plan_weights(leaves, references, layout, eligible, codecs)
         first_keep = self._first_moment_keep_at(_steps_since_reference(leaves, references))
-        choices = self._plan_moments(leaves, references, layout, eligible, codecs, first_keep)
+        choices = self._plan_moments(leaves, references, layout, eligible, codecs, first_keep, betas or {})
         # Encode now, in parallel: the writer's encode calls then return at once, and the
         # stored weights' real error (stickiness included) can be checked against the budget.
         prepared = [
@@ -715,6 +736,7 @@ class DynaQuant(ParamGroupPolicy):
         eligible: list[bool],
         codecs: list[Codec],
         first_keep: float,
+        betas: dict[int, Any],
     ) -> dict[int, "_SecondMomentChoice"]:
         """Plan every moment's codec into ``codecs``; returns the second moments that may be
         stored either whole or with their first moment's mask (``joint_moment_mask``): the
@@ -732,7 +754,7 @@ class DynaQuant(ParamGroupPolicy):
             )
         ]
         items.sort(key=lambda item: -leaves[item[0]].tensor.numel())
-        pruned_with = self._joint_masks(leaves, layout, items, first_keep)
+        pruned_with = self._joint_masks(leaves, layout, items, first_keep, betas)
         sketched = parallel_map(
             lambda item: self._sketch_moment(leaves, references, layout, *item, first_keep, pruned_with.get(item[0])),
             items,
@@ -833,10 +855,13 @@ class DynaQuant(ParamGroupPolicy):
         layout: StateLayout,
         items: Sequence[tuple[int, TensorRole]],
         first_keep: float,
+        betas: dict[int, Any],
     ) -> dict[int, int]:
         """``{second moment: its first moment}`` for the Adam entries whose first moment this
         checkpoint prunes (``first_keep`` < 1, neither under ``min_numel``) when
-        ``joint_moment_mask`` is on: those second moments are pruned with the same mask."""
+        ``joint_moment_mask`` is on and their ``betas`` keep a restart's steps within
+        ``RESTART_STEP_GROWTH`` of their steady size: those second moments may be pruned
+        with the same mask."""
         if not self.joint_moment_mask or first_keep >= 1.0:
             return {}
         planned = dict(items)
@@ -847,6 +872,7 @@ class DynaQuant(ParamGroupPolicy):
             second = layout.entry_moments(index).get(TensorRole.SECOND_MOMENT)
             if (
                 second is not None
+                and restart_step_growth(betas.get(second)) <= RESTART_STEP_GROWTH
                 and planned.get(second) is TensorRole.SECOND_MOMENT
                 and leaves[second].tensor.shape == leaves[index].tensor.shape
                 and not self._factored(leaves[second].tensor)
@@ -980,6 +1006,32 @@ class _SecondMomentChoice:
         win); a tie keeps the whole moment."""
         smaller = joint is not None and _encoded_size(joint) < _encoded_size(whole)
         return (self.joint if smaller else self.whole).adopt(memory)
+
+
+@functools.lru_cache(maxsize=64)
+def _restart_growth(beta1: float, beta2: float) -> float:
+    k = torch.arange(1, _RESTART_HORIZON + 1, dtype=torch.float64)
+    return float(((1 - beta1 ** (2 * k)) / (1 - beta2 ** k)).sqrt().max())
+
+
+def restart_step_growth(betas: Any) -> float:
+    """How much larger Adam's steps get, at most, after an entry's two moments restart
+    from 0 late in training (``inf`` for betas that are not two numbers in [0, 1)).
+
+    For an entry whose gradients are noise of a steady size (those the first moment's
+    pruning drops: small ``|m| / sqrt(v)``), the step ``k`` steps after the restart is
+    ``sqrt((1 - beta1^2k) / (1 - beta2^k))`` times its steady size: Adam's bias correction
+    is ``1 - beta^t`` of the run's own step count ``t``, which no longer corrects the
+    restarted averages. The largest over ``k``: 1.95 for ``(0.9, 0.95)``, 13.8 for
+    ``(0.9, 0.999)``.
+    """
+    try:
+        beta1, beta2 = (float(beta) for beta in betas)
+    except (TypeError, ValueError):
+        return math.inf
+    if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
+        return math.inf
+    return _restart_growth(beta1, beta2)
 
 
 def _mask_floor_bytes(mask: torch.Tensor, reference: Optional[torch.Tensor]) -> float:

@@ -53,7 +53,8 @@ import torch
 from ..tree import KeyPath, TensorLeaf
 
 __all__ = [
-    "TensorRole", "StateLayout", "layout_of", "optimizer_entry_name", "param_group_ids", "MODULE_BUFFER_NAMES",
+    "TensorRole", "StateLayout", "layout_of", "optimizer_entry_name", "param_group_ids", "param_group_option",
+    "MODULE_BUFFER_NAMES",
     "OPTIMIZER_ENTRY_ROLES", "EXACT_WITH",
 ]
 
@@ -213,6 +214,28 @@ def _child(node: Any, key: Union[str, int]) -> Any:
     if isinstance(node, (list, tuple)) and isinstance(key, int) and 0 <= key < len(node):
         return node[key]
     return None
+
+
+def param_group_option(state: Any, leaves: Sequence[TensorLeaf], option: str) -> dict[int, Any]:
+    """Leaf index -> the value of ``option`` (e.g. ``"betas"``) in the param group holding
+    that leaf's optimizer entry, for every optimizer state entry of ``state`` whose group
+    (:func:`param_group_ids`) has the option."""
+    groups = param_group_ids(state, leaves)
+    values: dict[KeyPath, dict[int, Any]] = {}
+    for root in groups:
+        node = state
+        for key in root:
+            node = _child(node, key)
+        by_id = values.setdefault(root, {})
+        for group, ids in zip(_child(node, "param_groups"), groups[root]):
+            if option in group:
+                by_id.update(dict.fromkeys(ids, group[option]))
+    found: dict[int, Any] = {}
+    for index, leaf in enumerate(leaves):
+        entry = _optimizer_entry(leaf.path)
+        if entry is not None and entry[1] in values.get(entry[0], {}):
+            found[index] = values[entry[0]][entry[1]]
+    return found
 
 
 def param_group_ids(state: Any, leaves: Sequence[TensorLeaf]) -> dict[KeyPath, list[list[int]]]:
