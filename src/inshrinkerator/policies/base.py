@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import torch
 
 from ..codecs.base import Codec
 from ..tree import KeyPath, TensorLeaf
-from .state_layout import param_group_ids
+from .state_layout import param_group_ids, param_group_option
 
 __all__ = ["Policy", "ParamGroupPolicy"]
 
@@ -72,13 +72,21 @@ class ParamGroupPolicy(Policy):
     ) -> list[Codec]:
         return self.plan_grouped(leaves, references, None)
 
+    #: param group options (e.g. ``"betas"``) that :meth:`plan_state` reads for each
+    #: optimizer entry and hands to :meth:`plan_grouped` as ``group_options``
+    group_options: ClassVar[tuple[str, ...]] = ()
+
     def plan_state(
         self,
         state: Any,
         leaves: Sequence[TensorLeaf],
         references: Sequence[Optional[torch.Tensor]],
     ) -> list[Codec]:
-        return self.plan_grouped(leaves, references, param_group_ids(state, leaves))
+        groups = param_group_ids(state, leaves)
+        if not self.group_options:
+            return self.plan_grouped(leaves, references, groups)
+        options = {name: param_group_option(state, leaves, name) for name in self.group_options}
+        return self.plan_grouped(leaves, references, groups, group_options=options)
 
     @abstractmethod
     def plan_grouped(

@@ -80,7 +80,7 @@ from .dynaquant_search import ConfigurationCube, Point
 from .gradient_watch import GradientWatch
 from .lossless import Lossless
 from .quantization_trials import MAGNITUDE, TrialConfig, WeightTrial, quantile_key
-from .state_layout import StateLayout, TensorRole, layout_of, optimizer_entry_name, param_group_ids, param_group_option
+from .state_layout import StateLayout, TensorRole, layout_of, optimizer_entry_name
 
 __all__ = ["DynaQuant", "PROXY_SCALE", "SearchRecord"]
 
@@ -319,25 +319,19 @@ class DynaQuant(ParamGroupPolicy):
         """The entropy stage's bytes against the order-0 entropy of its symbols, so far."""
         return self._memory.entropy
 
-    def plan_state(
-        self,
-        state: Any,
-        leaves: Sequence[TensorLeaf],
-        references: Sequence[Optional[torch.Tensor]],
-    ) -> list[Codec]:
-        groups = param_group_ids(state, leaves)
-        return self.plan_grouped(leaves, references, groups, param_group_option(state, leaves, "betas"))
+    group_options = ("betas",)  # a class attribute, not a knob
 
     def plan_grouped(
         self,
         leaves: Sequence[TensorLeaf],
         references: Sequence[Optional[torch.Tensor]],
         param_groups: Optional[dict[KeyPath, list[list[int]]]],
-        betas: Optional[dict[int, Any]] = None,
+        group_options: Optional[dict[str, dict[int, Any]]] = None,
     ) -> list[Codec]:
-        """One codec per leaf; ``betas``: leaf index -> the ``betas`` of the param group
-        holding that optimizer entry (read from the state by :meth:`plan_state`; the joint
-        moment mask is only used where they are known)."""
+        """One codec per leaf; ``group_options["betas"]``: leaf index -> the ``betas`` of the
+        param group holding that optimizer entry (read from the state by ``plan_state``;
+        the joint moment mask is only used where they are known)."""
+        betas = (group_options or {}).get("betas", {})
         codecs = Lossless().plan(leaves, references)
         watch = self._memory.watch
         watch.refresh()
@@ -359,7 +353,7 @@ class DynaQuant(ParamGroupPolicy):
             eligible[index] = False
         weights = self._plan_weights(leaves, references, layout, eligible, codecs)
         first_keep = self._first_moment_keep_at(_steps_since_reference(leaves, references))
-        choices = self._plan_moments(leaves, references, layout, eligible, codecs, first_keep, betas or {})
+        choices = self._plan_moments(leaves, references, layout, eligible, codecs, first_keep, betas)
         # Encode now, in parallel: the writer's encode calls then return at once, and the
         # stored weights' real error (stickiness included) can be checked against the budget.
         prepared = [
