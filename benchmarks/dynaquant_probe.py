@@ -109,7 +109,16 @@ class ProbePolicy(Policy):
             hook(model)
 
     def plan(self, leaves: Sequence[TensorLeaf], references: Sequence[Optional[torch.Tensor]]) -> list[Codec]:
-        codecs = self.inner.plan(leaves, references)
+        return self._override(leaves, references, self.inner.plan(leaves, references))
+
+    def plan_state(self, state: Any, leaves: Sequence[TensorLeaf], references: Sequence[Optional[torch.Tensor]]) -> list[Codec]:
+        """The inner policy's plan from the state (param groups and their options, as the
+        writers give it), then the overrides."""
+        return self._override(leaves, references, self.inner.plan_state(state, leaves, references))
+
+    def _override(
+        self, leaves: Sequence[TensorLeaf], references: Sequence[Optional[torch.Tensor]], codecs: list[Codec]
+    ) -> list[Codec]:
         exact = Lossless().plan(leaves, references)
         roles = layout_of(leaves).roles
         full = all(reference is None for reference in references)
