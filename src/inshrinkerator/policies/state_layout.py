@@ -216,34 +216,11 @@ def _child(node: Any, key: Union[str, int]) -> Any:
     return None
 
 
-def param_group_option(state: Any, leaves: Sequence[TensorLeaf], option: str) -> dict[int, Any]:
-    """Leaf index -> the value of ``option`` (e.g. ``"betas"``) in the param group holding
-    that leaf's optimizer entry, for every optimizer state entry of ``state`` whose group
-    (:func:`param_group_ids`) has the option."""
-    groups = param_group_ids(state, leaves)
-    values: dict[KeyPath, dict[int, Any]] = {}
-    for root in groups:
-        node = state
-        for key in root:
-            node = _child(node, key)
-        by_id = values.setdefault(root, {})
-        for group, ids in zip(_child(node, "param_groups"), groups[root]):
-            if option in group:
-                by_id.update(dict.fromkeys(ids, group[option]))
-    found: dict[int, Any] = {}
-    for index, leaf in enumerate(leaves):
-        entry = _optimizer_entry(leaf.path)
-        if entry is not None and entry[1] in values.get(entry[0], {}):
-            found[index] = values[entry[0]][entry[1]]
-    return found
-
-
-def param_group_ids(state: Any, leaves: Sequence[TensorLeaf]) -> dict[KeyPath, list[list[int]]]:
-    """Optimizer root -> the parameter ids of each of its param groups, in order, for every
-    optimizer state in ``state`` (the state ``leaves`` were flattened from) that has
-    ``param_groups`` with integer ``params`` lists."""
+def _param_groups(state: Any, leaves: Sequence[TensorLeaf]) -> dict[KeyPath, list[Mapping]]:
+    """Optimizer root -> its param groups, for every optimizer state in ``state`` (the state
+    ``leaves`` were flattened from) whose ``param_groups`` all have integer ``params`` lists."""
     roots = dict.fromkeys(entry[0] for entry in map(_optimizer_entry, (leaf.path for leaf in leaves)) if entry)
-    found: dict[KeyPath, list[list[int]]] = {}
+    found: dict[KeyPath, list[Mapping]] = {}
     for root in roots:
         node = state
         for key in root:
@@ -259,7 +236,32 @@ def param_group_ids(state: Any, leaves: Sequence[TensorLeaf]) -> dict[KeyPath, l
             and all(isinstance(i, int) and not isinstance(i, bool) for i in params)
             for params in ids
         ):
-            found[root] = [list(params) for params in ids]
+            found[root] = list(groups)
+    return found
+
+
+def param_group_ids(state: Any, leaves: Sequence[TensorLeaf]) -> dict[KeyPath, list[list[int]]]:
+    """Optimizer root -> the parameter ids of each of its param groups, in order, for every
+    optimizer state in ``state`` (the state ``leaves`` were flattened from) that has
+    ``param_groups`` with integer ``params`` lists."""
+    return {root: [list(group["params"]) for group in groups] for root, groups in _param_groups(state, leaves).items()}
+
+
+def param_group_option(state: Any, leaves: Sequence[TensorLeaf], option: str) -> dict[int, Any]:
+    """Leaf index -> the value of ``option`` (e.g. ``"betas"``) in the param group holding
+    that leaf's optimizer entry, for every optimizer state entry of ``state`` whose group
+    (as :func:`param_group_ids` reads them) has the option."""
+    values: dict[KeyPath, dict[int, Any]] = {}
+    for root, groups in _param_groups(state, leaves).items():
+        by_id = values.setdefault(root, {})
+        for group in groups:
+            if option in group:
+                by_id.update(dict.fromkeys(group["params"], group[option]))
+    found: dict[int, Any] = {}
+    for index, leaf in enumerate(leaves):
+        entry = _optimizer_entry(leaf.path)
+        if entry is not None and entry[1] in values.get(entry[0], {}):
+            found[index] = values[entry[0]][entry[1]]
     return found
 
 
