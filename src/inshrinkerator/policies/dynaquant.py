@@ -748,9 +748,9 @@ class DynaQuant(ParamGroupPolicy):
             )
         ]
         items.sort(key=lambda item: -leaves[item[0]].tensor.numel())
-        pruned_with = self._joint_masks(leaves, layout, items, first_keep, betas)
+        joint_masks = self._joint_masks(leaves, layout, items, first_keep, betas)
         sketched = parallel_map(
-            lambda item: self._sketch_moment(leaves, references, layout, *item, first_keep, pruned_with.get(item[0])),
+            lambda item: self._sketch_moment(leaves, references, layout, *item, first_keep, joint_masks.get(item[0])),
             items,
         )
         plans = [
@@ -784,14 +784,14 @@ class DynaQuant(ParamGroupPolicy):
         index: int,
         role: TensorRole,
         first_keep: float,
-        first: Optional[int] = None,
+        joint_mask: Optional[torch.Tensor] = None,
     ) -> "Codec | _MomentPlan | tuple[_MomentPlan, _MomentPlan, float]":
         """The codec of one first or second moment, or what is left to fit of it (reads the
         policy's memory; the codec writes back the levels it fits when it encodes);
         ``first_keep``: the fraction of Adam's first moment kept at this checkpoint;
-        ``first``: for a second moment, the first moment whose pruned entries it may store
-        as 0 (then both plans, whole and with that mask, and the fewest bytes the mask can
-        cost: :func:`_mask_floor_bytes`)."""
+        ``joint_mask``: the entry's first-moment pruning mask, shared with its second moment
+        (:meth:`_joint_masks`); a second moment given one returns both plans, whole and
+        with that mask, and the fewest bytes the mask can cost (:func:`_mask_floor_bytes`)."""
         tensor = leaves[index].tensor.detach()
         key = format_key_path(leaves[index].path)
         if role is TensorRole.SECOND_MOMENT and self._factored(tensor):
@@ -815,7 +815,7 @@ class DynaQuant(ParamGroupPolicy):
                 keep = self.momentum_keep
             else:
                 keep = first_keep
-            extra, zero_levels = self._first_moment_hints(tensor, keys, counts, role, partner, keep, bins)
+            extra, zero_levels = self._first_moment_hints(tensor, keys, counts, role, partner, keep, bins, joint_mask)
         else:
             reference = _usable_reference(tensor, references[index])
             codec_type = DynaQuantDeltaCodec if reference is not None else DynaQuantCodec
@@ -834,14 +834,13 @@ class DynaQuant(ParamGroupPolicy):
         # No keys hint: the codec recomputes them (one cheap pass) when the writer encodes, so
         # the moments' keys are not all held at once between planning and writing.
         plan = _MomentPlan(key, codec, {"counts": counts, "init": init, **extra}, zero_levels)
-        if first is None:
+        if role in _FIRST_ORDER or joint_mask is None:
             return plan
         # ExCP's joint mask: where the first moment is pruned, so is the second, and the
         # levels (and the protected largest values) are those of the kept entries.
-        prune_mask = _first_moment_prune_mask(leaves[first].tensor, tensor, first_keep)
-        kept = torch.bincount(keys[~prune_mask], minlength=SIGNED_KEYS).cpu()
-        joint = _MomentPlan(key, codec, {"counts": kept, "init": init, "prune_mask": prune_mask}, None)
-        return plan, joint, _mask_floor_bytes(prune_mask, reference)
+        kept = torch.bincount(keys[~joint_mask], minlength=SIGNED_KEYS).cpu()
+        joint = _MomentPlan(key, codec, {"counts": kept, "init": init, "prune_mask": joint_mask}, None)
+        return plan, joint, _mask_floor_bytes(joint_mask, reference)
 
     def _joint_masks(
         self,
@@ -850,16 +849,16 @@ class DynaQuant(ParamGroupPolicy):
         items: Sequence[tuple[int, TensorRole]],
         first_keep: float,
         betas: dict[int, Any],
-    ) -> dict[int, int]:
-        """``{second moment: its first moment}`` for the Adam entries whose first moment this
+    ) -> dict[int, torch.Tensor]:
+        """The first-moment pruning mask of each Adam entry whose first moment this
         checkpoint prunes (``first_keep`` < 1, neither under ``min_numel``) when
         ``joint_moment_mask`` is on and their ``betas`` keep a restart's steps within
-        ``RESTART_STEP_GROWTH`` of their steady size: those second moments may be pruned
-        with the same mask."""
+        ``RESTART_STEP_GROWTH`` of their steady size, by the leaf index of both its first
+        and its second moment: that second moment may be pruned with the same mask."""
         if not self.joint_moment_mask or first_keep >= 1.0:
             return {}
         planned = dict(items)
-        joint = {}
+        joint: list[tuple[int, int]] = []
         for index, role in items:
             if role is not TensorRole.FIRST_MOMENT or leaves[index].tensor.numel() < self.min_numel:
                 continue
@@ -871,8 +870,11 @@ class DynaQuant(ParamGroupPolicy):
                 and leaves[second].tensor.shape == leaves[index].tensor.shape
                 and not self._factored(leaves[second].tensor)
             ):
-                joint[second] = index
-        return joint
+                joint.append((index, second))
+        masks = parallel_map(
+            lambda pair: _first_moment_prune_mask(leaves[pair[0]].tensor, leaves[pair[1]].tensor, first_keep), joint
+        )
+        return {index: mask for pair, mask in zip(joint, masks) for index in pair}
 
     def _factored(self, tensor: torch.Tensor) -> bool:
         if self.second_moment != "factored" or factored_shape(tuple(tensor.shape)) is None:
@@ -896,6 +898,7 @@ class DynaQuant(ParamGroupPolicy):
         second: Optional[torch.Tensor],
         keep: float,
         bins: int,
+        prune_mask: Optional[torch.Tensor] = None,
     ) -> tuple[dict[str, Any], Optional[tuple[torch.Tensor, int]]]:
         """Which first-moment entries to keep (the fraction ``keep``; the rest are stored as
         0), on ``bins`` levels: the codec's hints, and the histogram and level count of its
@@ -903,14 +906,16 @@ class DynaQuant(ParamGroupPolicy):
 
         Adam's ``exp_avg`` keeps the entries with the largest ``|m| / sqrt(v)`` (whose
         steps are large and steady; the others move little either way); an SGD momentum
-        buffer, which is the step itself, keeps those largest in magnitude.
+        buffer, which is the step itself, keeps those largest in magnitude. ``prune_mask``:
+        Adam's mask when it was already made (:meth:`_joint_masks`).
         """
         if keep >= 1.0:
             return {}, (counts, bins)
         if role is TensorRole.MOMENTUM_BUFFER or second is None or second.shape != moment.shape:
             prune_below, _ = magnitude_thresholds(counts, 1.0 - keep, 0.0)
             return {"prune_below": prune_below}, None
-        prune_mask = _first_moment_prune_mask(moment, second, keep)
+        if prune_mask is None:
+            prune_mask = _first_moment_prune_mask(moment, second, keep)
         kept = torch.bincount(keys[~prune_mask], minlength=SIGNED_KEYS).cpu()
         # The kept entries get the same symmetric levels around an exact zero as a whole
         # moment: plain k-means rounded some small |m| (high score: small v) up to a far
