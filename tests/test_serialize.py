@@ -110,3 +110,104 @@ def test_write_state_plans_with_the_state_it_flattened() -> None:
     (seen_state, paths), = Recording.seen
     assert seen_state is state
     assert ("model", "weight") in paths and ("optimizer", "exp_avg") in paths
+
+
+# ------------------------------------------------------------------ context records
+
+
+def _moments(shift: float) -> dict[str, Any]:
+    generator = torch.Generator().manual_seed(int(shift * 10))
+    first = torch.randn(64, 48, generator=generator) * 1e-3
+    first = torch.where(torch.rand(64, 48, generator=generator) < 0.1, first, 0.0)
+    second = torch.exp2(torch.randn(64, 48, generator=generator) - 20 + shift)
+    return {"model": {"w": torch.randn(64, 48, generator=generator)}, "optimizer": {"exp_avg": first, "exp_avg_sq": second}}
+
+
+class _MaskedSecondMoment:
+    """A policy: the first moment exact, the second stored with the first moment's zeros
+    (``context``: the key it names; ``delta``: against the reference when one is given)."""
+
+    name = "masked-test"
+
+    def __init__(self, context: str = "optimizer/exp_avg") -> None:
+        self.context = context
+
+    def plan_state(self, state, leaves, references):
+        from inshrinkerator.codecs import DynaQuantMaskedCodec, DynaQuantMaskedDeltaCodec
+        from inshrinkerator.policies import Lossless
+        from inshrinkerator.tree import format_key_path
+
+        codecs = Lossless().plan(leaves, references)
+        for index, leaf in enumerate(leaves):
+            if format_key_path(leaf.path) == "optimizer/exp_avg_sq":
+                masked = DynaQuantMaskedDeltaCodec if references[index] is not None else DynaQuantMaskedCodec
+                codecs[index] = masked(bins=8, domain="log").against(self.context)
+        return codecs
+
+
+def _written_with(state: Any, policy: Any, references: Any = None) -> bytes:
+    out = io.BytesIO()
+    write_state(out, state, policy, references=references)
+    return out.getvalue()
+
+
+def test_a_tensor_stored_with_a_context_decodes_after_it() -> None:
+    base = _moments(0.0)
+    full = _written_with(base, _MaskedSecondMoment())
+    with _reader(full) as reader:
+        keys = tensor_keys(reader)
+        records = reader.header.tensors
+        second = keys.index("optimizer/exp_avg_sq")
+        assert records[second].context == keys.index("optimizer/exp_avg") < second
+        assert all(record.context is None for i, record in enumerate(records) if i != second)
+        restored = read_state(reader)
+    assert torch.equal(restored["optimizer"]["exp_avg_sq"] == 0, base["optimizer"]["exp_avg"] == 0)
+    assert torch.equal(restored["optimizer"]["exp_avg"], base["optimizer"]["exp_avg"])
+    # A delta: reading only the second moment decodes its context too, so the base step
+    # must provide the references of both (the lossless first moment is a delta too).
+    delta = _written_with(_moments(0.5), _MaskedSecondMoment(), reference_map(restored))
+    with _reader(delta) as reader:
+        assert referenced_keys(reader, among={"optimizer/exp_avg_sq"}) == {"optimizer/exp_avg_sq", "optimizer/exp_avg"}
+        assert "optimizer/exp_avg" not in referenced_keys(reader, among={"model/w"})
+        part = read_tensors(reader, {"optimizer/exp_avg_sq"}, reference_map(restored))
+        whole = reference_map(read_state(reader, reference_map(restored)))
+    assert set(part) == {"optimizer/exp_avg_sq", "optimizer/exp_avg"}
+    for key, tensor in part.items():
+        assert_same(tensor, whole[key])
+    assert torch.equal(whole["optimizer/exp_avg_sq"] == 0, whole["optimizer/exp_avg"] == 0)
+
+
+@pytest.mark.parametrize("context", ["optimizer/missing", "optimizer/exp_avg_sq", "model/w_later"])
+def test_a_context_must_be_a_tensor_stored_before_it(context: str) -> None:
+    moments = _moments(0.0)
+    state = {"optimizer": moments["optimizer"], "model": {"w_later": moments["model"]["w"]}}
+    with pytest.raises(ValueError, match="context"):
+        write_state(io.BytesIO(), state, _MaskedSecondMoment(context))
+
+
+def test_records_with_a_bad_context_are_refused() -> None:
+    import json
+
+    from inshrinkerator.errors import FormatError
+
+    from .container.test_attack_files import SCRIPT
+    from .container.test_reader import data_region, header_doc
+
+    data = _written_with(_moments(0.0), _MaskedSecondMoment())
+    with _reader(data) as reader:
+        second = tensor_keys(reader).index("optimizer/exp_avg_sq")
+    doc, body = header_doc(data), data_region(data)
+    for bad, match in ((second, "earlier record"), (second + 5, "earlier record"), (-1, "record index"),
+                       (True, "record index"), ("0", "record index"), (None, "needs a context")):
+        forged = json.loads(json.dumps(doc))
+        forged["tensors"][second]["context"] = bad
+        with pytest.raises(FormatError, match=match):
+            with _reader(SCRIPT.forge_v2(forged, body)) as reader:
+                read_state(reader)
+    # A context moved to a record whose codec takes none is refused too.
+    forged = json.loads(json.dumps(doc))
+    del forged["tensors"][second]["context"]
+    forged["tensors"][second - 1]["context"] = 0
+    with pytest.raises(FormatError, match="(does not take|needs) a context"):
+        with _reader(SCRIPT.forge_v2(forged, body)) as reader:
+            read_state(reader)

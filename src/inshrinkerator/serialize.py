@@ -74,26 +74,36 @@ def write_state(
     keys = [format_key_path(leaf.path) for leaf in flat.tensors]
     refs = [references.get(key) if references else None for key in keys]
     codecs = _exact_where_not_finite(flat.tensors, refs, policy.plan_state(state, flat.tensors, refs))
+    contexts = _context_indices(keys, codecs)
     writer = ContainerWriter()
     total = sum(leaf.tensor.numel() * leaf.tensor.element_size() for leaf in flat.tensors)
     raw_bytes = 0
     used_reference = False
     reconstruction: dict[str, torch.Tensor] = {}
+    # The reconstructions other tensors are encoded with (their contexts), by record index.
+    kept: dict[int, Optional[torch.Tensor]] = {index: None for index in contexts.values()}
     try:
-        for leaf, key, codec, reference in zip(flat.tensors, keys, codecs, refs):
+        for index, (leaf, key, codec, reference) in enumerate(zip(flat.tensors, keys, codecs, refs)):
             tensor = leaf.tensor
             raw_bytes += tensor.numel() * tensor.element_size()
-            # A codec that can produce its streams one at a time (encode_lazily) hands them
-            # to the writer as they are made: a huge tensor never has all its output in memory.
-            encode = getattr(codec, "encode_lazily", codec.encode)
-            encoded = encode(tensor, reference if codec.uses_reference else None)
+            reference = reference if codec.uses_reference else None
+            context = contexts.get(index)
+            if context is not None:
+                encoded = codec.encode(tensor, reference, context=kept[context])  # type: ignore[call-arg]
+            else:
+                # A codec that can produce its streams one at a time (encode_lazily) hands them
+                # to the writer as they are made: a huge tensor never has all its output in memory.
+                encoded = getattr(codec, "encode_lazily", codec.encode)(tensor, reference)
             used_reference |= codec.uses_reference
             writer.add(
                 TensorSpec.of(tensor),
                 codec.get_config(),
                 encoded,
                 reference=reference_name if codec.uses_reference else None,
+                context=context,
             )
+            if index in kept:
+                kept[index] = encoded.reconstruction if encoded.reconstruction is not None else tensor
             if keep_reconstruction:
                 rebuilt = encoded.reconstruction if encoded.reconstruction is not None else tensor
                 reconstruction[key] = rebuilt
@@ -104,6 +114,29 @@ def write_state(
     finally:
         writer.close()
     return WrittenState(raw_bytes, stored, used_reference, reconstruction)
+
+
+def _context_indices(keys: Sequence[str], codecs: Sequence[Codec]) -> dict[int, int]:
+    """Record index -> the index of its context record, for the codecs that use one.
+
+    Raises:
+        ValueError: a codec's context is not a tensor stored before it without a context
+            of its own (a bug in the policy that planned it).
+    """
+    index_of = {key: index for index, key in enumerate(keys)}
+    contexts: dict[int, int] = {}
+    for index, codec in enumerate(codecs):
+        if not codec.uses_context:
+            continue
+        key = getattr(codec, "context_key", None)
+        context = index_of.get(key) if isinstance(key, str) else None
+        if context is None or context >= index or codecs[context].uses_context:
+            raise ValueError(
+                f"{type(codec).__name__} for {keys[index]} was planned against context {key!r}, which "
+                "is not a tensor of the state stored before it without a context of its own"
+            )
+        contexts[index] = context
+    return contexts
 
 
 def _exact_where_not_finite(
@@ -156,7 +189,7 @@ def read_tensors(
     hold are skipped. Errors as :func:`read_state`.
     """
     keys = tensor_keys(reader)
-    indices = [i for i, key in enumerate(keys) if wanted is None or key in wanted]
+    indices = _with_contexts(reader, [i for i, key in enumerate(keys) if wanted is None or key in wanted])
     if len(indices) < len(keys):
         chosen = set(indices)
         for index, record in enumerate(reader.header.tensors):
@@ -167,12 +200,18 @@ def read_tensors(
 
 
 def referenced_keys(reader: ContainerReader, among: Optional[Collection[str]] = None) -> set[str]:
-    """Formatted key paths (of ``among``, or all) whose tensors are stored against a reference."""
-    return {
-        key
-        for key, record in zip(tensor_keys(reader), reader.header.tensors)
-        if record.reference is not None and (among is None or key in among)
-    }
+    """Formatted key paths whose tensors are stored against a reference: of all tensors, or
+    of those a read of ``among`` decodes (``among`` and the contexts they decode with)."""
+    keys = tensor_keys(reader)
+    indices = _with_contexts(reader, [i for i, key in enumerate(keys) if among is None or key in among])
+    return {keys[i] for i in indices if reader.header.tensors[i].reference is not None}
+
+
+def _with_contexts(reader: ContainerReader, indices: Sequence[int]) -> list[int]:
+    """``indices`` and the context records they decode with, in record order."""
+    records = reader.header.tensors
+    needed = set(indices) | {records[i].context for i in indices if records[i].context is not None}
+    return sorted(needed)  # type: ignore[type-var]
 
 
 def tensor_keys(reader: ContainerReader) -> list[str]:
@@ -211,19 +250,37 @@ def _decode(
         references_in_order.append(reference)
     wheres = [f"tensor {keys[index]}" for index in indices]
     # Tensors decode in parallel, in batches of about _READ_BATCH_BYTES of raw data, so that
-    # progress is reported as it happens.
-    tensors: list[torch.Tensor] = []
+    # progress is reported as it happens; those decoded with a context record after all others.
+    position = {index: at for at, index in enumerate(indices)}
+    for record in records:
+        if record.context is not None and record.context not in position:
+            raise ValueError("_decode needs the context records of the records it decodes")
+    waves = [
+        [at for at, record in enumerate(records) if record.context is None],
+        [at for at, record in enumerate(records) if record.context is not None],
+    ]
+    tensors: list[Optional[torch.Tensor]] = [None] * len(records)
     total = sum(record.spec.nbytes for record in records)
     done = 0
-    start = 0
-    while start < len(records):
-        end, batch_bytes = start, 0
-        while end < len(records) and (end == start or batch_bytes < _READ_BATCH_BYTES):
-            batch_bytes += records[end].spec.nbytes
-            end += 1
-        tensors += reader.decode_many(records[start:end], references_in_order[start:end], wheres[start:end])
-        done += batch_bytes
-        start = end
-        if progress is not None:
-            progress(done, total)
-    return tensors
+    for wave in waves:
+        start = 0
+        while start < len(wave):
+            end, batch_bytes = start, 0
+            while end < len(wave) and (end == start or batch_bytes < _READ_BATCH_BYTES):
+                batch_bytes += records[wave[end]].spec.nbytes
+                end += 1
+            batch = wave[start:end]
+            contexts = [
+                None if records[at].context is None else tensors[position[records[at].context]] for at in batch
+            ]
+            decoded = reader.decode_many(
+                [records[at] for at in batch], [references_in_order[at] for at in batch], [wheres[at] for at in batch],
+                contexts,
+            )
+            for at, tensor in zip(batch, decoded):
+                tensors[at] = tensor
+            done += batch_bytes
+            start = end
+            if progress is not None:
+                progress(done, total)
+    return tensors  # type: ignore[return-value]

@@ -92,40 +92,44 @@ def check_golden(case: Path, encodes: bool = True) -> None:
     dtype, shape = dtype_from_name(meta["dtype"]), meta["shape"]
     streams = [(case / name).read_bytes() for name in meta["streams"]]
     reference = _read_tensor(case / "reference.bin", dtype, shape) if meta["has_reference"] else None
+    # A codec that uses a context (another tensor of the file) has it stored with the case.
+    context = {"context": _read_tensor(case / "context.bin", dtype, shape)} if meta.get("has_context") else {}
     expected = _read_tensor(case / "expected.bin", dtype, shape)
-    decoded = codec.decode(streams, meta["params"], TensorSpec(dtype, tuple(shape)), reference)
+    decoded = codec.decode(streams, meta["params"], TensorSpec(dtype, tuple(shape)), reference, **context)
     assert same_bits(decoded, expected), f"{case.name}: decode changed"
     if not encodes:
         return
     tensor = _read_tensor(case / "input.bin", dtype, shape)
-    again = codec.encode(tensor, reference)
+    again = codec.encode(tensor, reference, **context)
     assert same_bits(again.reconstruction, expected), f"{case.name}: encode changed"
 
 
 def check_damaged_streams(
     codec: Codec, tensor: torch.Tensor, reference: Optional[torch.Tensor] = None,
     mutate_params: Optional[Callable[[dict[str, Any]], None]] = None,
+    context: Optional[torch.Tensor] = None,
 ) -> None:
     """Truncated, missing or extra streams, a non-float spec and bad params raise errors of the
-    library's types (never a crash or garbage)."""
-    encoded = codec.encode(tensor, reference)
+    library's types (never a crash or garbage). ``context``: for a codec that uses one."""
+    extra = {} if context is None else {"context": context}
+    encoded = codec.encode(tensor, reference, **extra)
     spec = TensorSpec.of(tensor)
     streams = [bytes(memoryview(s).cast("B")) for s in encoded.streams]
     params = json.loads(json.dumps(encoded.params))
     with pytest.raises(FormatError):
-        codec.decode(streams[:-1], params, spec, reference)
+        codec.decode(streams[:-1], params, spec, reference, **extra)
     with pytest.raises(FormatError):
-        codec.decode([*streams, b"x"], params, spec, reference)
+        codec.decode([*streams, b"x"], params, spec, reference, **extra)
     for index, stream in enumerate(streams):
         # Cut short by a byte, a 32-bit word and half (padding streams of small tensors are empty).
         for cut in {1, 4, len(stream) // 2} if stream else ():
             if 0 < cut <= len(stream):
                 with pytest.raises(FormatError):
-                    codec.decode([*streams[:index], stream[:-cut], *streams[index + 1 :]], params, spec, reference)
+                    codec.decode([*streams[:index], stream[:-cut], *streams[index + 1 :]], params, spec, reference, **extra)
     with pytest.raises((FormatError, BrokenChainError)):
-        codec.decode(streams, params, TensorSpec(torch.int32, spec.shape), reference)
+        codec.decode(streams, params, TensorSpec(torch.int32, spec.shape), reference, **extra)
     if mutate_params is not None:
         broken = json.loads(json.dumps(params))
         mutate_params(broken)
         with pytest.raises(FormatError):
-            codec.decode(streams, broken, spec, reference)
+            codec.decode(streams, broken, spec, reference, **extra)

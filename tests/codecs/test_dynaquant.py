@@ -7,7 +7,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inshrinkerator.codecs import DynaQuantCodec, DynaQuantDeltaCodec, TensorSpec, get_codec
+from inshrinkerator.codecs import (
+    DynaQuantCodec,
+    DynaQuantDeltaCodec,
+    DynaQuantMaskedCodec,
+    DynaQuantMaskedDeltaCodec,
+    TensorSpec,
+    get_codec,
+)
+from inshrinkerator.codecs.entropy import order0_entropy_bits
 from inshrinkerator.codecs.bucket_delta import EntropyStats
 from inshrinkerator.codecs.log_sketch import magnitude_keys
 from inshrinkerator.errors import BrokenChainError, FormatError
@@ -140,7 +148,12 @@ def test_config_round_trips_and_bad_options_are_refused() -> None:
         DynaQuantCodec().encode(torch.arange(10))
 
 
-@pytest.mark.parametrize("case", golden_cases("dynaquant") + golden_cases("dynaquant_delta"), ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "case",
+    golden_cases("dynaquant") + golden_cases("dynaquant_delta")
+    + golden_cases("dynaquant_masked") + golden_cases("dynaquant_masked_delta"),
+    ids=lambda p: f"{p.parent.name}/{p.name}",
+)
 def test_golden_files_decode_and_encode_the_same(case) -> None:
     # Older stream versions pin what readers must still decode; their levels came from the
     # encoder of that time (k-means++ seeds were drawn differently), so only the current
@@ -149,7 +162,8 @@ def test_golden_files_decode_and_encode_the_same(case) -> None:
 
 
 def test_goldens_exist() -> None:
-    assert golden_cases("dynaquant") and golden_cases("dynaquant_delta")
+    for codec_id in ("dynaquant", "dynaquant_delta", "dynaquant_masked", "dynaquant_masked_delta"):
+        assert golden_cases(codec_id), codec_id
 
 
 def test_encoding_is_deterministic() -> None:
@@ -167,3 +181,67 @@ def test_goldens_hold_every_stream_version() -> None:
         assert version == (int(case.name[1]) if old else 3), case.name
         versions.add(version)
     assert versions == {1, 2, 3}
+
+
+def _masked_moment(seed: int = 0, shape: tuple[int, int] = (96, 80)) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # A second moment, the same moment a few steps earlier (the reference) and a first
+    # moment pruned to about a tenth of its entries (the context).
+    generator = torch.Generator().manual_seed(seed)
+    previous = torch.exp2(torch.randn(shape, generator=generator) * 3 - 20)
+    moment = previous * torch.exp2(torch.randn(shape, generator=generator) * 0.5)
+    first = torch.randn(shape, generator=generator) * 1e-3
+    first = torch.where(torch.rand(shape, generator=generator) < 0.1, first, 0.0)
+    return moment, previous, first
+
+
+@pytest.mark.parametrize("delta", [False, True])
+def test_a_masked_codec_stores_the_context_s_zeros_for_free(delta: bool) -> None:
+    moment, previous, first = _masked_moment()
+    zeros = first.reshape(-1) == 0
+    reference = DynaQuantCodec(bins=8, domain="log").encode(previous).reconstruction if delta else None
+    plain_type, masked_type = (DynaQuantDeltaCodec, DynaQuantMaskedDeltaCodec) if delta else (DynaQuantCodec, DynaQuantMaskedCodec)
+    levels = DynaQuantCodec(bins=8, domain="log").encode(moment[first != 0]).reconstruction.unique()
+    hints = {"centroids": levels[levels > 0]}
+    masked = masked_type(bins=8, domain="log").with_hints(**hints)
+    plain = plain_type(bins=8, domain="log").with_hints(prune_mask=zeros, **hints)
+    stored = masked.encode(moment, reference, context=first)
+    same_mask = plain.encode(moment, reference)
+    # The same ids where the context is non-zero, 0 elsewhere: the same reconstruction ...
+    assert same_bits(stored.reconstruction, same_mask.reconstruction)
+    assert torch.equal(stored.reconstruction == 0, first == 0)
+    decoded = masked.decode(stored.streams, stored.params, TensorSpec.of(moment), reference, context=first)
+    assert same_bits(decoded, stored.reconstruction)
+    # ... in fewer bytes by about the mask's own entropy, which the plain codec stores.
+    mask_bytes = order0_entropy_bits(zeros.to(torch.uint8), 2) / 8
+    saved = sum(map(len, same_mask.streams)) - sum(map(len, stored.streams))
+    assert 0.8 * mask_bytes < saved
+    # The kept entries alone are coded: a context with fewer zeros costs more.
+    denser = torch.where(torch.rand(moment.shape, generator=torch.Generator().manual_seed(1)) < 0.5, 1.0, first)
+    assert sum(map(len, masked.encode(moment, reference, context=denser).streams)) > sum(map(len, stored.streams))
+
+
+def test_a_masked_codec_refuses_a_missing_or_mismatched_context() -> None:
+    moment, previous, first = _masked_moment(2, (40, 30))
+    for codec, reference in ((DynaQuantMaskedCodec(bins=8, domain="log"), None),
+                             (DynaQuantMaskedDeltaCodec(bins=8, domain="log"), previous)):
+        spec = TensorSpec.of(moment)
+        with pytest.raises(FormatError, match="not given"):
+            codec.encode(moment, reference)
+        stored = codec.encode(moment, reference, context=first)
+        with pytest.raises(FormatError, match="not given"):
+            codec.decode(stored.streams, stored.params, spec, reference)
+        with pytest.raises(FormatError, match="elements"):
+            codec.decode(stored.streams, stored.params, spec, reference, context=first.reshape(-1)[:-1])
+        # Another context with other zeros holds another number of coded ids: refused.
+        other = torch.where(first == 0, 1.0, 0.0)
+        with pytest.raises(FormatError):
+            codec.decode(stored.streams, stored.params, spec, reference, context=other)
+        check_damaged_streams(codec, moment, reference, context=first)
+        assert get_codec(codec.get_config()) == codec and codec.uses_context
+    delta = DynaQuantMaskedDeltaCodec(bins=8, domain="log")
+    stored = delta.encode(moment, previous, context=first)
+    with pytest.raises(BrokenChainError):
+        delta.decode(stored.streams, stored.params, TensorSpec.of(moment), None, context=first)
+    with pytest.raises(BrokenChainError):
+        delta.decode(stored.streams, stored.params, TensorSpec.of(moment), previous * 2, context=first)
+    assert delta.against("optimizer/state/0/exp_avg").context_key == "optimizer/state/0/exp_avg"

@@ -142,3 +142,19 @@ def test_a_tensor_coded_in_slices_round_trips_through_a_file() -> None:
         record = reader.header.tensors[0]
         assert len(record.sections) == -(-tensor.numel() // record.params["slice"]) > 1
         assert torch.equal(reader.decode(record), tensor)
+
+
+def test_a_context_must_name_an_earlier_record_without_one() -> None:
+    writer = ContainerWriter()
+    spec = TensorSpec(torch.uint8, (2,))
+    with pytest.raises(ValueError, match="earlier record"):
+        writer.add(spec, RAW, Encoded(streams=[b"ab"]), context=0)  # no record yet
+    writer.add(spec, RAW, Encoded(streams=[b"ab"]))
+    writer.add(spec, RAW, Encoded(streams=[b"cd"]), context=0)
+    for bad in (1, 2, -1):  # #1 has a context of its own; #2 is this record
+        with pytest.raises(ValueError, match="earlier record"):
+            writer.add(spec, RAW, Encoded(streams=[b"ef"]), context=bad)
+    out = io.BytesIO()
+    writer.finish(out, {"l": [{"t": 0}, {"t": 1}]}, {})
+    with ContainerReader(io.BytesIO(out.getvalue()), "ctx.ink") as reader:
+        assert [record.context for record in reader.header.tensors] == [None, 0]

@@ -703,9 +703,9 @@ def _adam_entry(step: int, m: torch.Tensor, v: torch.Tensor) -> dict:
 @pytest.mark.parametrize("v_moves", [False, True])
 def test_the_second_moment_keeps_the_smaller_of_whole_and_joint(tmp_path, v_moves) -> None:
     # Between two checkpoints 40 steps apart the first moment changes (so does its pruning
-    # mask). A second moment that barely moved is a cheap delta whole, and the moving mask
-    # would cost more than it saves: it stays whole. One that moved everywhere is stored
-    # with the mask.
+    # mask). The joint encoding stores only the kept entries (the mask is read from the
+    # first moment): where the second moment moved everywhere it is far smaller; where it
+    # barely moved both are cheap deltas, and the smaller is stored.
     generator = torch.Generator().manual_seed(7)
     shape = (256, 64)
     v0 = torch.rand(shape, generator=generator).pow(4) * 1e-4 + 1e-8
@@ -714,7 +714,7 @@ def test_the_second_moment_keeps_the_smaller_of_whole_and_joint(tmp_path, v_move
         _adam_entry(0, torch.randn(shape, generator=generator) * 1e-3, v0),
         _adam_entry(40, torch.randn(shape, generator=generator) * 1e-3, v1),
     ]
-    stored = {}
+    stored, kinds = {}, {}
     for joint in (True, False):
         folder = tmp_path / str(joint)
         with ink.CheckpointManager(folder, policy=DynaQuant(joint_moment_mask=joint)) as manager:
@@ -723,11 +723,64 @@ def test_the_second_moment_keeps_the_smaller_of_whole_and_joint(tmp_path, v_move
         with ink.CheckpointManager(folder) as reader:
             restored = reader.load(40)["optimizer"]["state"][0]
         stored[joint] = sum(f.stat().st_size for f in folder.rglob("*.ink"))
-        m_zero = float((restored["exp_avg"] == 0).float().mean())
-        v_zero = float((restored["exp_avg_sq"] == 0).float().mean())
-        assert m_zero > 0.85  # pruned either way
-        assert v_zero > 0.85 if (joint and v_moves) else v_zero == 0.0
-    assert stored[True] < stored[False] if v_moves else stored[True] == stored[False]
+        m_zeros = restored["exp_avg"] == 0
+        v_zeros = restored["exp_avg_sq"] == 0
+        assert float(m_zeros.float().mean()) > 0.85  # pruned either way
+        kinds[joint] = "joint" if bool(v_zeros.any()) else "whole"
+        if kinds[joint] == "joint":
+            assert torch.equal(v_zeros, m_zeros)
+    assert kinds[False] == "whole"
+    assert stored[True] <= stored[False]
+    if v_moves:
+        assert kinds[True] == "joint" and stored[True] < 0.9 * stored[False]
+
+
+def test_a_chain_of_jointly_masked_moments_restores_at_every_step(tmp_path) -> None:
+    # Each masked second moment is a delta against the previous one and reads its zeros from
+    # its own checkpoint's first moment: restoring the end of the chain decodes, of every
+    # base step, the second moment and the first moment it takes its zeros from.
+    generator = torch.Generator().manual_seed(11)
+    shape = (128, 64)
+    states = [
+        _adam_entry(40 * k, torch.randn(shape, generator=generator) * 1e-3,
+                    torch.rand(shape, generator=generator).pow(4) * 1e-4 + 1e-8)
+        for k in range(4)
+    ]
+    with ink.CheckpointManager(tmp_path / "run", policy=DynaQuant()) as manager:
+        for state in states:
+            manager.save(int(state["optimizer"]["state"][0]["step"]), state)
+    from inshrinkerator.container import ContainerReader
+
+    masked = 0
+    for path in (tmp_path / "run").rglob("*.ink"):
+        with ContainerReader(open(path, "rb"), str(path)) as container:
+            masked += sum(record.codec["id"] == "dynaquant_masked_delta" for record in container.header.tensors)
+    assert masked == 3  # the second moment of every delta
+    with ink.CheckpointManager(tmp_path / "run") as reader:
+        for step in (120, 80, 40, 0):  # the longest chain first
+            entry = reader.load(step)["optimizer"]["state"][0]
+            m_zeros, v_zeros = entry["exp_avg"] == 0, entry["exp_avg_sq"] == 0
+            if step:
+                assert float(m_zeros.float().mean()) > 0.85 and torch.equal(v_zeros, m_zeros)
+            else:  # a full checkpoint: nothing pruned
+                assert not bool(v_zeros.any())
+
+
+def test_the_second_moment_choice_settles_on_the_smaller_encoding() -> None:
+    from inshrinkerator.codecs.base import Encoded
+    from inshrinkerator.codecs.bucket_delta import EntropyStats
+    from inshrinkerator.policies.dynaquant import _Candidate, _Memory, _SecondMomentChoice
+
+    def candidate(codec):
+        return _Candidate(codec, EntropyStats(), {})
+
+    whole, joint = DynaQuantDeltaCodec(bins=8), DynaQuantDeltaCodec(bins=4)
+    small, large = Encoded([b"x" * 10]), Encoded([b"x" * 20])
+    choice = _SecondMomentChoice(candidate(whole), candidate(joint), first=0)
+    assert choice.settle(large, small, _Memory()) is joint
+    assert choice.settle(small, large, _Memory()) is whole
+    assert choice.settle(small, small, _Memory()) is whole  # a tie keeps the whole moment
+    assert choice.settle(small, None, _Memory()) is whole  # no joint encoding
 
 
 def test_the_joint_mask_needs_betas_that_keep_a_restart_s_steps_within_twice() -> None:
@@ -748,29 +801,11 @@ def test_the_joint_mask_needs_betas_that_keep_a_restart_s_steps_within_twice() -
     restored = codecs[second].encode(leaves[second].tensor).reconstruction
     assert bool((restored > 0).all())
     planned = DynaQuant(first_moment_keep_after=0).plan_state(state, leaves, [None] * len(leaves))
-    assert float((planned[second].encode(leaves[second].tensor).reconstruction == 0).float().mean()) > 0.85
-
-
-@pytest.mark.parametrize("with_reference", [False, True])
-def test_the_mask_floor_is_below_what_a_masked_second_moment_costs(with_reference) -> None:
-    # The floor decides which second moments are worth encoding with their first moment's
-    # mask: it must not exceed what that encoding takes, and it is 0 for a mask the
-    # reference already had.
-    from inshrinkerator.policies.dynaquant import _mask_floor_bytes
-
-    generator = torch.Generator().manual_seed(3)
-    v = torch.rand(128, 96, generator=generator).pow(4) * 1e-4 + 1e-8
-    reference = (torch.rand(128, 96, generator=generator).pow(4) * 1e-4 + 1e-8) if with_reference else None
-    if reference is not None:
-        reference[torch.rand(128, 96, generator=generator) < 0.9] = 0.0
-    mask = torch.rand(v.numel(), generator=generator) < 0.9
-    codec = (DynaQuantDeltaCodec if with_reference else DynaQuantCodec)(bins=8, domain="log", sigma=0.5)
-    stored = codec.with_hints(prune_mask=mask).encode(v, reference)
-    size = sum(len(stream) for stream in stored.streams)
-    floor = _mask_floor_bytes(mask, reference)
-    assert 0.25 * size < floor < size  # the kept entries' levels cost the rest
-    if reference is not None:
-        assert _mask_floor_bytes(reference.reshape(-1) == 0, reference) == 0.0
+    first = paths.index("optimizer/state/0/exp_avg")
+    assert planned[second].uses_context and planned[second].context_key == paths[first]
+    context = planned[first].encode(leaves[first].tensor).reconstruction
+    restored = planned[second].encode(leaves[second].tensor, context=context).reconstruction
+    assert float((restored == 0).float().mean()) > 0.85 and torch.equal(restored == 0, context == 0)
 
 
 @pytest.mark.parametrize("after, pruned", [(5, True), (6, False)])

@@ -7,7 +7,10 @@ options chosen by a policy; the container records config and params for every
 tensor, so any file decodes without the policy that wrote it.
 
 Codecs do no I/O. Delta codecs receive the ``reference`` tensor (the previous
-reconstructed checkpoint, or a base model) from their caller.
+reconstructed checkpoint, or a base model) from their caller; a codec that
+``uses_context`` also receives its *context*, the reconstruction of another tensor of
+the same file that is stored before it (e.g. the first moment whose zeros a second
+moment shares), as ``context=`` of ``encode`` and ``decode``.
 """
 
 from __future__ import annotations
@@ -134,6 +137,9 @@ class Codec(ABC):
     lossless: ClassVar[bool] = True
     #: True when encode/decode need the reference tensor.
     uses_reference: ClassVar[bool] = False
+    #: True when encode/decode also take ``context=``: the reconstruction of another tensor
+    #: of the same file, named by the codec's ``context_key`` when it is planned.
+    uses_context: ClassVar[bool] = False
 
     @abstractmethod
     def encode(self, tensor: torch.Tensor, reference: Optional[torch.Tensor] = None) -> Encoded:

@@ -11,6 +11,9 @@ needed (no ids are carried), and because the reference is the reconstruction the
 decoded tensor is exactly what the encoder produced: no drift along a chain. A
 fingerprint of the reference is stored, so decoding against another tensor is a
 :class:`~inshrinkerator.errors.BrokenChainError`, never silent garbage.
+``DynaQuantMaskedCodec`` and ``DynaQuantMaskedDeltaCodec`` code only the entries where
+another tensor of the same checkpoint (its context: a first moment, for its second
+moment) is non-zero; the others are 0, and the mask costs nothing.
 
 Without hints the codec prunes and protects by magnitude with its own fractions
 and fits its own levels. A policy can pass ready thresholds, levels, element
@@ -57,7 +60,7 @@ from .scratch import scratch
 from .varint import decode_varint, encode_varint
 
 __all__ = [
-    "DynaQuantCodec", "DynaQuantDeltaCodec", "check_reference_fingerprint", "magnitude_thresholds", "predicted_ids",
+    "DynaQuantCodec", "DynaQuantDeltaCodec", "DynaQuantMaskedCodec", "DynaQuantMaskedDeltaCodec", "check_reference_fingerprint", "magnitude_thresholds", "predicted_ids",
     "reference_fingerprint",
 ]
 
@@ -257,7 +260,10 @@ class DynaQuantCodec(PreparedEncoding, Codec):
             centroids = fit_centroids(*self.centroid_fit(counts))
         return make_level_table(centroids, self.domain, *self._thresholds(counts))
 
-    def _encode(self, tensor: torch.Tensor, reference: Optional[torch.Tensor]) -> Encoded:
+    def _encode(
+        self, tensor: torch.Tensor, reference: Optional[torch.Tensor], zeros: Optional[torch.Tensor] = None
+    ) -> Encoded:
+        # zeros: a flat mask of entries stored as 0 that the decoder knows (not coded).
         if not tensor.dtype.is_floating_point:
             raise ValueError(f"{self.codec_id} stores floating tensors only, got {tensor.dtype}")
         flat = tensor.detach().reshape(-1)
@@ -268,13 +274,19 @@ class DynaQuantCodec(PreparedEncoding, Codec):
         if table.count > MAX_LEVELS:
             raise ValueError(f"{table.count} levels exceed the id coder's {MAX_LEVELS}")
         self._fitted = table
-        ids = assign_ids(keys, table, self._hints.get("prune_mask"), self._hints.get("protect_mask"))
+        prune_mask = self._hints.get("prune_mask")
+        if zeros is not None:
+            prune_mask = zeros if prune_mask is None else prune_mask | zeros
+        ids = assign_ids(keys, table, prune_mask, self._hints.get("protect_mask"))
         predicted = changed = None
         fingerprint = 0
         if reference is not None:
             fingerprint = reference_fingerprint(reference)
             predicted = table.ids(_signed_keys(reference))
-            changed = torch.nonzero(ids != predicted).reshape(-1)
+            differs = ids != predicted
+            if zeros is not None:
+                differs &= ~zeros
+            changed = torch.nonzero(differs).reshape(-1)
             if self.stickiness > 0 and changed.numel():
                 keep = stick_to_predicted(flat, changed, ids, predicted, table, self.stickiness)
                 if bool(keep.any()):
@@ -287,9 +299,15 @@ class DynaQuantCodec(PreparedEncoding, Codec):
         protected_dtype = torch.float16 if tensor.dtype == torch.float16 else torch.bfloat16
         protected = flat[protected_positions].to(protected_dtype)
         flags = (_LOG_FLAG if table.domain == LOG else 0) | (_FP16_FLAG if protected_dtype == torch.float16 else 0)
-        rearrange = predicted is not None and ids.numel() <= REARRANGE_MAX_ELEMENTS
+        coded_ids, coded_predicted = ids, predicted
+        if zeros is not None:  # only the other entries are coded
+            stored = ~zeros
+            coded_ids = ids[stored]
+            coded_predicted = None if predicted is None else predicted[stored]
+            changed = None  # positions among the coded entries: the id coder finds them
+        rearrange = coded_predicted is not None and coded_ids.numel() <= REARRANGE_MAX_ELEMENTS
         id_stream = encode_bucket_ids(
-            ids.cpu(), table.count, None if predicted is None else predicted.cpu(), rearrange,
+            coded_ids.cpu(), table.count, None if coded_predicted is None else coded_predicted.cpu(), rearrange,
             self._hints.get("stats"), None if changed is None else changed.cpu(),
         )
         head = _LAYOUT.pack(
@@ -312,7 +330,13 @@ class DynaQuantCodec(PreparedEncoding, Codec):
 
     # -- decoding -----------------------------------------------------------------
 
-    def _decode(self, streams: Sequence[Any], spec: TensorSpec, reference: Optional[torch.Tensor]) -> torch.Tensor:
+    def _decode(
+        self,
+        streams: Sequence[Any],
+        spec: TensorSpec,
+        reference: Optional[torch.Tensor],
+        zeros: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         if len(streams) != 1:
             raise CorruptCheckpointError(f"{self.codec_id}: expected 1 stream, got {len(streams)}")
         if not spec.dtype.is_floating_point:
@@ -348,7 +372,15 @@ class DynaQuantCodec(PreparedEncoding, Codec):
         else:
             protected = torch.empty(0, dtype=protected_dtype)
         predicted = None if reference is None else predicted_ids(table, reference)
-        ids = decode_bucket_ids(view[protected_end:], table.count, spec.numel, predicted)
+        if zeros is None:
+            ids = decode_bucket_ids(view[protected_end:], table.count, spec.numel, predicted)
+        else:
+            stored = ~zeros
+            coded = decode_bucket_ids(
+                view[protected_end:], table.count, int(stored.sum()), None if predicted is None else predicted[stored]
+            )
+            ids = torch.full((spec.numel,), table.zero_index, dtype=coded.dtype)
+            ids[stored] = coded
         positions = None
         if protected_count:
             positions = torch.nonzero(ids == table.protect_id).reshape(-1)
@@ -398,3 +430,97 @@ class DynaQuantDeltaCodec(DynaQuantCodec):
         reference: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         return self._decode(streams, spec, self._check_reference(spec, reference))
+
+
+
+class _ContextZeros:
+    """What the masked codecs share: the zeros of the context tensor."""
+
+    codec_id: str
+    uses_context = True
+    _context_key: Optional[str] = None
+
+    @property
+    def context_key(self) -> Optional[str]:
+        """The formatted key path of the context tensor in the state (set when planned)."""
+        return self._context_key
+
+    def against(self, context_key: str) -> "Any":
+        """This codec, planned to take its zeros from the tensor at ``context_key``."""
+        self._context_key = context_key
+        return self
+
+    def _zeros(self, spec: TensorSpec, context: Optional[torch.Tensor]) -> torch.Tensor:
+        if context is None:
+            raise FormatError(
+                f"{self.codec_id}: this tensor takes its zeros from another tensor of the file, "
+                "which was not given"
+            )
+        if context.numel() != spec.numel:
+            raise FormatError(
+                f"{self.codec_id}: the context tensor has {context.numel()} elements, this tensor {spec.numel}"
+            )
+        return context.detach().reshape(-1).cpu() == 0
+
+
+@register_codec
+class DynaQuantMaskedCodec(_ContextZeros, DynaQuantCodec):
+    """:class:`DynaQuantCodec` for a tensor that is 0 wherever its *context* is 0.
+
+    The context is another tensor of the same checkpoint, stored before it (the writer and
+    the reader hand over its reconstruction as ``context=``): Adam's first moment, whose
+    pruned entries the second moment is pruned at too (ExCP's joint mask). Those entries
+    are stored as 0 and not coded at all: the mask costs no bytes. The stream is
+    :class:`DynaQuantCodec`'s, its id stream holding the context's non-zero entries only,
+    in order.
+    """
+
+    codec_id = "dynaquant_masked"
+
+    def encode(
+        self,
+        tensor: torch.Tensor,
+        reference: Optional[torch.Tensor] = None,
+        context: Optional[torch.Tensor] = None,
+    ) -> Encoded:
+        zeros = self._zeros(TensorSpec.of(tensor), context).to(tensor.device)
+        return self._take_prepared(tensor, None, context) or self._encode(tensor, None, zeros)
+
+    def decode(
+        self,
+        streams: Sequence[Any],
+        params: dict[str, Any],
+        spec: TensorSpec,
+        reference: Optional[torch.Tensor] = None,
+        context: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        return self._decode(streams, spec, None, self._zeros(spec, context))
+
+
+@register_codec
+class DynaQuantMaskedDeltaCodec(_ContextZeros, DynaQuantDeltaCodec):
+    """:class:`DynaQuantMaskedCodec` with the kept entries' ids coded against the reference's
+    predicted ids at the same positions (as :class:`DynaQuantDeltaCodec` codes them)."""
+
+    codec_id = "dynaquant_masked_delta"
+
+    def encode(
+        self,
+        tensor: torch.Tensor,
+        reference: Optional[torch.Tensor] = None,
+        context: Optional[torch.Tensor] = None,
+    ) -> Encoded:
+        spec = TensorSpec.of(tensor)
+        reference = self._check_reference(spec, reference)
+        zeros = self._zeros(spec, context).to(tensor.device)
+        return self._take_prepared(tensor, reference, context) or self._encode(tensor, reference, zeros)
+
+    def decode(
+        self,
+        streams: Sequence[Any],
+        params: dict[str, Any],
+        spec: TensorSpec,
+        reference: Optional[torch.Tensor] = None,
+        context: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        return self._decode(streams, spec, self._check_reference(spec, reference), self._zeros(spec, context))

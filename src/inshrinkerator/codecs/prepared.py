@@ -18,14 +18,14 @@ from .base import Encoded
 __all__ = ["PreparedEncoding"]
 
 
-def _identity(tensor: torch.Tensor, reference: Optional[torch.Tensor]) -> tuple:
+def _identity(tensor: torch.Tensor, reference: Optional[torch.Tensor], context: Optional[torch.Tensor] = None) -> tuple:
     def one(t: Optional[torch.Tensor]) -> tuple:
         if t is None:
             return ()
         pointer = t.untyped_storage().data_ptr() if t.numel() else 0
         return (id(t), pointer, t.storage_offset(), tuple(t.shape), t.dtype, t._version)
 
-    return one(tensor) + (None,) + one(reference)
+    return one(tensor) + (None,) + one(reference) + (None,) + one(context)
 
 
 class PreparedEncoding:
@@ -33,15 +33,23 @@ class PreparedEncoding:
 
     _prepared: Optional[tuple[tuple, Encoded]] = None
 
-    def prepare(self, tensor: torch.Tensor, reference: Optional[torch.Tensor] = None) -> Encoded:
-        """Encode now and keep the result for the next ``encode`` of the very same inputs."""
-        encoded = self.encode(tensor, reference)  # type: ignore[attr-defined]
-        self._prepared = (_identity(tensor, reference), encoded)
+    def prepare(
+        self, tensor: torch.Tensor, reference: Optional[torch.Tensor] = None, context: Optional[torch.Tensor] = None
+    ) -> Encoded:
+        """Encode now and keep the result for the next ``encode`` of the very same inputs
+        (``context``: for a codec that ``uses_context``)."""
+        if context is None:
+            encoded = self.encode(tensor, reference)  # type: ignore[attr-defined]
+        else:
+            encoded = self.encode(tensor, reference, context=context)  # type: ignore[attr-defined]
+        self._prepared = (_identity(tensor, reference, context), encoded)
         return encoded
 
-    def _take_prepared(self, tensor: torch.Tensor, reference: Optional[torch.Tensor]) -> Optional[Encoded]:
+    def _take_prepared(
+        self, tensor: torch.Tensor, reference: Optional[torch.Tensor], context: Optional[torch.Tensor] = None
+    ) -> Optional[Encoded]:
         """The kept result if it was made from these inputs (kept once: taken, it is dropped)."""
         prepared, self._prepared = self._prepared, None
-        if prepared is not None and prepared[0] == _identity(tensor, reference):
+        if prepared is not None and prepared[0] == _identity(tensor, reference, context):
             return prepared[1]
         return None

@@ -210,6 +210,9 @@ class TensorRecord:
     params: dict[str, Any]
     sections: tuple[Section, ...]
     reference: Optional[str]  # None, or the name of what a delta codec decodes against
+    #: None, or the index of an earlier record of the file (itself without a context) whose
+    #: decoded tensor the codec also decodes with (``Codec.uses_context``)
+    context: Optional[int] = None
 
     @property
     def stored_bytes(self) -> int:
@@ -327,8 +330,11 @@ def _parse_record(item: Any, cursor: int, data_bytes: int, alignment: int, where
         raise FormatError(f"{where}: codec config or params nest deeper than {MAX_CONFIG_DEPTH} levels")
     if reference is not None and type(reference) is not str:
         raise FormatError(f"{where}: reference must be null or a string")
+    context = item.get("context")
+    if context is not None and not _is_uint(context):
+        raise FormatError(f"{where}: context must be null or a record index")
     sections, cursor = _parse_sections(item.get("sections"), cursor, data_bytes, alignment, where)
-    record = TensorRecord(spec, codec, params, sections, reference)
+    record = TensorRecord(spec, codec, params, sections, reference, context)
     problem = check_expansion(spec, record.stored_bytes, codec)
     if problem is not None:
         raise FormatError(f"{where}: claims {problem}")
@@ -359,6 +365,11 @@ def parse_header(raw: bytes, source: str, version: int = FORMAT_VERSION) -> Head
     alignment = section_alignment(version)
     for index, item in enumerate(tensors):
         record, cursor = _parse_record(item, cursor, data_bytes, alignment, f"{source}: tensor #{index}")
+        if record.context is not None and (record.context >= index or records[record.context].context is not None):
+            raise FormatError(
+                f"{source}: tensor #{index}: its context must be an earlier record without a context of "
+                f"its own, not #{record.context}"
+            )
         records.append(record)
     if cursor != data_bytes:
         raise FormatError(f"{source}: the data region is {data_bytes} bytes but its sections end at {cursor}")

@@ -190,20 +190,28 @@ class ContainerReader:
         """
         return sum(self.check_record(record) for record in self.header.tensors)
 
-    def decode(self, record: TensorRecord, reference: Optional[torch.Tensor] = None, where: str = "") -> torch.Tensor:
-        """Read and decode one tensor, checking the result's dtype and shape.
+    def decode(
+        self,
+        record: TensorRecord,
+        reference: Optional[torch.Tensor] = None,
+        where: str = "",
+        context: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """Read and decode one tensor, checking the result's dtype and shape. ``context``:
+        the decoded tensor of ``record.context``, when it has one.
 
         Raises:
             FormatError / CorruptCheckpointError: the record does not decode to its spec.
             BrokenChainError: the codec needs a reference that is missing or wrong.
         """
-        return self.decode_many([record], [reference], [where])[0]
+        return self.decode_many([record], [reference], [where], [context])[0]
 
     def decode_many(
         self,
         records: Sequence[TensorRecord],
         references: Optional[Sequence[Optional[torch.Tensor]]] = None,
         wheres: Optional[Sequence[str]] = None,
+        contexts: Optional[Sequence[Optional[torch.Tensor]]] = None,
     ) -> list[torch.Tensor]:
         """Read several tensors (in order, on this thread) and decode them in parallel.
 
@@ -214,8 +222,9 @@ class ContainerReader:
         records = list(records)
         references = list(references) if references is not None else [None] * len(records)
         wheres = list(wheres) if wheres is not None else [""] * len(records)
-        if not len(records) == len(references) == len(wheres):
-            raise ValueError("decode_many needs one reference and one location per record")
+        contexts = list(contexts) if contexts is not None else [None] * len(records)
+        if not len(records) == len(references) == len(wheres) == len(contexts):
+            raise ValueError("decode_many needs one reference, location and context per record")
         codecs = []
         for record, where in zip(records, wheres):
             try:
@@ -231,7 +240,9 @@ class ContainerReader:
 
         def one(index: int) -> Any:
             try:
-                return self._decode_checked(codecs[index], records[index], sections[index], references[index], wheres[index])
+                return self._decode_checked(
+                    codecs[index], records[index], sections[index], references[index], wheres[index], contexts[index]
+                )
             except BaseException as exc:  # reported in record order below
                 return _Failure(exc)
 
@@ -256,11 +267,18 @@ class ContainerReader:
         sections: Any,
         reference: Optional[torch.Tensor],
         where: str,
+        context: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         where = self._where(record, where)
+        if codec.uses_context != (record.context is not None):
+            needs = "needs" if codec.uses_context else "does not take"
+            raise FormatError(f"{self.source}: {where}: codec {codec.codec_id!r} {needs} a context record")
         streams = sections if isinstance(sections, _LazySections) else self._check_sections(record, sections)
         try:
-            tensor = codec.decode(streams, record.params, record.spec, reference)
+            if record.context is None:
+                tensor = codec.decode(streams, record.params, record.spec, reference)
+            else:
+                tensor = codec.decode(streams, record.params, record.spec, reference, context=context)
         except _ReadFailure as failure:
             raise failure.error from None
         except InkError as exc:

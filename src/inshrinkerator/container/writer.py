@@ -51,8 +51,10 @@ class ContainerWriter:
         codec_config: dict[str, Any],
         encoded: Encoded,
         reference: Optional[str] = None,
+        context: Optional[int] = None,
     ) -> int:
-        """Append one tensor's streams; returns the bytes stored for it.
+        """Append one tensor's streams; returns the bytes stored for it. ``context``: the
+        index of an earlier record (without a context) its codec decodes with.
 
         ``encoded.streams`` is iterated once, and each stream is written to the spool before
         the next is taken, so streams produced lazily (``ByteGroupingCodec.encode_lazily``)
@@ -61,7 +63,10 @@ class ContainerWriter:
         Raises:
             FormatError: the codec's output breaks a rule the reader enforces (it decodes
                 to more than the codec's ``max_expansion`` allows): a bug in the codec.
+            ValueError: ``context`` is not an earlier record without a context.
         """
+        if context is not None and not (0 <= context < len(self._records) and "context" not in self._records[context]):
+            raise ValueError(f"a record's context must be an earlier record without one of its own, not #{context}")
         start = self._cursor
         sections = []
         stored = 0
@@ -96,6 +101,7 @@ class ContainerWriter:
                 "params": encoded.params,
                 "sections": sections,
                 "reference": reference,
+                **({} if context is None else {"context": context}),
             }
         )
         return stored

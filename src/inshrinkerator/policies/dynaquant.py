@@ -64,8 +64,7 @@ from ..codecs import Codec, ResidualCodec
 from ..codecs.base import Encoded, same_bits
 from ..codecs._parallel import parallel_map
 from ..codecs.bucket_delta import EntropyStats
-from ..codecs.entropy import order0_entropy_bits
-from ..codecs.dynaquant import DynaQuantCodec, DynaQuantDeltaCodec
+from ..codecs.dynaquant import DynaQuantCodec, DynaQuantDeltaCodec, DynaQuantMaskedCodec, DynaQuantMaskedDeltaCodec
 from ..codecs.factored_moment import FactoredMomentCodec, factored_shape
 from ..codecs.unchanged import UnchangedCodec
 from ..codecs.dynaquant import magnitude_thresholds
@@ -366,10 +365,18 @@ class DynaQuant(ParamGroupPolicy):
             return codec.prepare(leaves[index].tensor, _reference_for(codec, leaves[index], references[index]))  # type: ignore[attr-defined]
 
         encoded = dict(zip((i for i, _ in prepared), parallel_map(prepare, prepared)))
-        # A second moment's encoding with its first moment's mask, where it can be smaller
-        # than the whole moment's.
-        contenders = [(i, choice.joint.codec) for i, choice in choices.items() if choice.may_win(encoded[i])]
-        joint = dict(zip((i for i, _ in contenders), parallel_map(prepare, contenders)))
+        # A second moment's encoding with its first moment's zeros (that first moment's
+        # reconstruction, which the reader decodes first, gives them for free).
+        contenders = [(i, choice) for i, choice in choices.items() if choice.first in encoded]
+
+        def prepare_joint(item: tuple[int, _SecondMomentChoice]) -> Encoded:
+            index, choice = item
+            context = encoded[choice.first].reconstruction
+            codec = choice.joint.codec
+            reference = _reference_for(codec, leaves[index], references[index])
+            return codec.prepare(leaves[index].tensor, reference, context)  # type: ignore[attr-defined]
+
+        joint = dict(zip((i for i, _ in contenders), parallel_map(prepare_joint, contenders)))
         for index, choice in choices.items():
             codecs[index] = choice.settle(encoded[index], joint.get(index), self._memory)
         if weights is not None:
@@ -767,9 +774,10 @@ class DynaQuant(ParamGroupPolicy):
         choices: dict[int, _SecondMomentChoice] = {}
         for (index, _), plan in sorted(zip(items, sketched), key=lambda pair: pair[0][0]):
             if isinstance(plan, tuple):
-                whole, joint, floor = plan
+                whole, joint = plan
+                first = layout.entry_moments(index)[TensorRole.FIRST_MOMENT]
                 choices[index] = _SecondMomentChoice(
-                    _Candidate.of(whole, self._memory), _Candidate.of(joint, self._memory), floor
+                    _Candidate.of(whole, self._memory), _Candidate.of(joint, self._memory), first
                 )
                 codecs[index] = choices[index].whole.codec
             else:
@@ -785,13 +793,13 @@ class DynaQuant(ParamGroupPolicy):
         role: TensorRole,
         first_keep: float,
         joint_mask: Optional[torch.Tensor] = None,
-    ) -> "Codec | _MomentPlan | tuple[_MomentPlan, _MomentPlan, float]":
+    ) -> "Codec | _MomentPlan | tuple[_MomentPlan, _MomentPlan]":
         """The codec of one first or second moment, or what is left to fit of it (reads the
         policy's memory; the codec writes back the levels it fits when it encodes);
         ``first_keep``: the fraction of Adam's first moment kept at this checkpoint;
         ``joint_mask``: the entry's first-moment pruning mask, shared with its second moment
-        (:meth:`_joint_masks`); a second moment given one returns both plans, whole and
-        with that mask, and the fewest bytes the mask can cost (:func:`_mask_floor_bytes`)."""
+        (:meth:`_joint_masks`); a second moment given one (and stored against a reference)
+        returns both plans, whole and with the first moment's zeros."""
         tensor = leaves[index].tensor.detach()
         key = format_key_path(leaves[index].path)
         if role is TensorRole.SECOND_MOMENT and self._factored(tensor):
@@ -836,11 +844,15 @@ class DynaQuant(ParamGroupPolicy):
         plan = _MomentPlan(key, codec, {"counts": counts, "init": init, **extra}, zero_levels)
         if role in _FIRST_ORDER or joint_mask is None:
             return plan
-        # ExCP's joint mask: where the first moment is pruned, so is the second, and the
-        # levels (and the protected largest values) are those of the kept entries.
+        # ExCP's joint mask: where the first moment is pruned (stored as 0), so is the
+        # second, and the levels (and the protected largest values) are those of the kept
+        # entries. The zeros are the first moment's, read back from its reconstruction.
+        first = layout.entry_moments(index)[TensorRole.FIRST_MOMENT]
         kept = torch.bincount(keys[~joint_mask], minlength=SIGNED_KEYS).cpu()
-        joint = _MomentPlan(key, codec, {"counts": kept, "init": init, "prune_mask": joint_mask}, None)
-        return plan, joint, _mask_floor_bytes(joint_mask, reference)
+        masked_type = DynaQuantMaskedDeltaCodec if reference is not None else DynaQuantMaskedCodec
+        masked = masked_type.from_config({**codec.get_config(), "id": masked_type.codec_id})
+        joint = _MomentPlan(key, masked, {"counts": kept, "init": init}, None, format_key_path(leaves[first].path))
+        return plan, joint
 
     def _joint_masks(
         self,
@@ -942,6 +954,8 @@ class _MomentPlan:
     hints: dict[str, Any]
     #: the histogram and level count of symmetric levels around zero (first moments)
     zero_levels: Optional[tuple[torch.Tensor, int]]
+    #: the key of the tensor whose zeros a masked codec shares (its first moment)
+    context: Optional[str] = None
 
     def finish(
         self,
@@ -958,7 +972,11 @@ class _MomentPlan:
         def remember(table: LevelTable) -> None:
             centroids[key] = table.centroids()
 
-        return self.codec.with_hints(stats=memory.entropy if stats is None else stats, on_fitted=remember, **self.hints)
+        codec = self.codec.with_hints(stats=memory.entropy if stats is None else stats, on_fitted=remember, **self.hints)
+        if self.context is not None:
+            assert isinstance(codec, (DynaQuantMaskedCodec, DynaQuantMaskedDeltaCodec))
+            codec.against(self.context)
+        return codec
 
 
 @dataclass
@@ -983,22 +1001,19 @@ class _Candidate:
 
 @dataclass
 class _SecondMomentChoice:
-    """A second moment stored whole or with its first moment's mask, whichever is smaller.
+    """A second moment stored whole or with its first moment's zeros, whichever is smaller.
 
-    The mask saves the pruned entries' values, but where the second moment barely changes
-    between checkpoints (``beta2`` near 1: its ids are cheap deltas) the mask's own entropy,
-    which moves from checkpoint to checkpoint, costs more than it saves (the digits CNN's
-    Adam); where it changes fast (the char GPT's ``beta2 = 0.95``) it stores far less.
+    The joint encoding stores only the entries whose first moment is kept (the mask itself
+    is read from the first moment), but the kept entries move from checkpoint to checkpoint:
+    one whose second moment was 0 at the reference is coded afresh. Where the second
+    moment barely changes between checkpoints (its ids are cheap deltas) the whole moment
+    can be the smaller one.
     """
 
     whole: _Candidate
     joint: _Candidate
-    #: about the fewest bytes the joint encoding can take (:func:`_mask_floor_bytes`)
-    floor_bytes: float
-
-    def may_win(self, whole: Encoded) -> bool:
-        """Whether the joint encoding may be smaller than ``whole`` (worth encoding)."""
-        return self.floor_bytes < _encoded_size(whole)
+    #: the leaf index of the entry's first moment (the joint encoding's context)
+    first: int
 
     def settle(self, whole: Encoded, joint: Optional[Encoded], memory: "_Memory") -> Codec:
         """The codec of the smaller encoding (``joint`` None: not encoded, it could not
@@ -1031,18 +1046,6 @@ def restart_step_growth(betas: Any) -> float:
     if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
         return math.inf
     return _restart_growth(beta1, beta2)
-
-
-def _mask_floor_bytes(mask: torch.Tensor, reference: Optional[torch.Tensor]) -> float:
-    """The order-0 entropy, in bytes, of which entries ``mask`` stores as 0, given which
-    entries of ``reference`` are 0 (a delta codes each id against the reference's): about
-    the least a stream holding that mask costs, its levels on top."""
-    if reference is None:
-        groups = [mask]
-    else:
-        was_zero = reference.detach().reshape(-1).to(mask.device) == 0
-        groups = [mask[was_zero], mask[~was_zero]]
-    return sum(order0_entropy_bits(group.to(torch.uint8), 2) for group in groups) / 8
 
 
 def _encoded_size(encoded: Encoded) -> int:

@@ -4,7 +4,8 @@
 
 Same layout as the baseline codecs' goldens: each case folder holds ``case.json``
 (codec config, params, dtype, shape, stream file names), the streams, the input, the
-reference (delta cases) and the expected decoded tensor, as raw little-endian bytes.
+reference (delta cases), the context (masked cases: the tensor whose zeros the case
+shares) and the expected decoded tensor, as raw little-endian bytes.
 Existing cases are kept unless ``--overwrite`` is given: a changed encoding must be a
 deliberate format change, never a silent regeneration.
 
@@ -29,7 +30,13 @@ from typing import Optional
 
 import torch
 
-from inshrinkerator.codecs import Codec, DynaQuantCodec, DynaQuantDeltaCodec
+from inshrinkerator.codecs import (
+    Codec,
+    DynaQuantCodec,
+    DynaQuantDeltaCodec,
+    DynaQuantMaskedCodec,
+    DynaQuantMaskedDeltaCodec,
+)
 from inshrinkerator.codecs.bucket_delta import encode_bucket_ids
 
 HERE = Path(__file__).resolve().parent
@@ -53,7 +60,14 @@ def _second_moment(shape: tuple[int, ...], seed: int) -> torch.Tensor:
     return values
 
 
-def _cases() -> list[tuple[str, Codec, torch.Tensor, Optional[torch.Tensor]]]:
+def _first_moment(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    # A pruned first moment as a reader decodes it: 0 but for about a tenth of the entries.
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randn(shape, generator=generator) * 1e-3
+    return torch.where(torch.rand(shape, generator=generator) < 0.1, values, 0.0)
+
+
+def _cases() -> list[tuple[str, Codec, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]]:
     base = _weights((24, 40), 1)
     special = base.clone()
     special.view(-1)[:4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0])
@@ -61,17 +75,23 @@ def _cases() -> list[tuple[str, Codec, torch.Tensor, Optional[torch.Tensor]]]:
     previous = full.encode(base).reconstruction
     moment = _second_moment((30, 30), 7)
     log_full = DynaQuantCodec(bins=8, domain="log")
+    first = _first_moment((30, 30), 8)
     return [
-        ("dynaquant/float32_bins12_prune_protect", full, base, None),
-        ("dynaquant/float32_non_finite", DynaQuantCodec(bins=4, protect=0.01), special, None),
-        ("dynaquant/float16_bins6", DynaQuantCodec(bins=6, protect=0.02), _weights((300,), 3, torch.float16), None),
-        ("dynaquant/bfloat16_bins16", DynaQuantCodec(bins=16), _weights((16, 20), 4, torch.bfloat16), None),
-        ("dynaquant/float32_log_domain", log_full, moment, None),
+        ("dynaquant/float32_bins12_prune_protect", full, base, None, None),
+        ("dynaquant/float32_non_finite", DynaQuantCodec(bins=4, protect=0.01), special, None, None),
+        ("dynaquant/float16_bins6", DynaQuantCodec(bins=6, protect=0.02), _weights((300,), 3, torch.float16), None, None),
+        ("dynaquant/bfloat16_bins16", DynaQuantCodec(bins=16), _weights((16, 20), 4, torch.bfloat16), None, None),
+        ("dynaquant/float32_log_domain", log_full, moment, None, None),
         ("dynaquant_delta/float32_rearranged_sticky",
-         DynaQuantDeltaCodec(bins=12, prune=0.2, protect=0.01, stickiness=0.5), _update(base, 2), previous),
+         DynaQuantDeltaCodec(bins=12, prune=0.2, protect=0.01, stickiness=0.5), _update(base, 2), previous, None),
         ("dynaquant_delta/float32_log_domain",
          DynaQuantDeltaCodec(bins=8, domain="log", stickiness=0.5), (moment * 1.05).contiguous(),
-         log_full.encode(moment).reconstruction),
+         log_full.encode(moment).reconstruction, None),
+        ("dynaquant_masked/float32_log_domain",
+         DynaQuantMaskedCodec(bins=8, domain="log", protect=0.005), moment, None, first),
+        ("dynaquant_masked_delta/float32_log_domain",
+         DynaQuantMaskedDeltaCodec(bins=8, domain="log", protect=0.005, stickiness=0.5), (moment * 1.05).contiguous(),
+         log_full.encode(moment).reconstruction, first),
     ]
 
 
@@ -79,8 +99,11 @@ def _raw(tensor: torch.Tensor) -> bytes:
     return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-def write_case(folder: Path, codec: Codec, tensor: torch.Tensor, reference: Optional[torch.Tensor]) -> None:
-    encoded = codec.encode(tensor, reference)
+def write_case(
+    folder: Path, codec: Codec, tensor: torch.Tensor, reference: Optional[torch.Tensor],
+    context: Optional[torch.Tensor] = None,
+) -> None:
+    encoded = codec.encode(tensor, reference) if context is None else codec.encode(tensor, reference, context=context)
     folder.mkdir(parents=True, exist_ok=True)
     names = []
     for index, stream in enumerate(encoded.streams):
@@ -91,6 +114,8 @@ def write_case(folder: Path, codec: Codec, tensor: torch.Tensor, reference: Opti
     (folder / "expected.bin").write_bytes(_raw(encoded.reconstruction))
     if reference is not None:
         (folder / "reference.bin").write_bytes(_raw(reference))
+    if context is not None:
+        (folder / "context.bin").write_bytes(_raw(context))
     meta = {
         "config": codec.get_config(),
         "params": encoded.params,
@@ -98,6 +123,7 @@ def write_case(folder: Path, codec: Codec, tensor: torch.Tensor, reference: Opti
         "shape": list(tensor.shape),
         "streams": names,
         "has_reference": reference is not None,
+        "has_context": context is not None,
         "torch": torch.__version__,
     }
     (folder / "case.json").write_text(json.dumps(meta, indent=1) + "\n")
@@ -141,12 +167,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--overwrite", action="store_true", help="replace existing cases")
     args = parser.parse_args(argv)
-    for name, codec, tensor, reference in _cases():
+    for name, codec, tensor, reference, context in _cases():
         folder = HERE / name
         if (folder / "case.json").exists() and not args.overwrite:
             print(f"kept     {name}")
             continue
-        write_case(folder, codec, tensor, reference)
+        write_case(folder, codec, tensor, reference, context)
         print(f"wrote    {name}")
     for name, ids, levels, predicted, rearrange in _bucket_delta_cases():
         path = HERE / "bucket_delta" / f"{name}.json"
