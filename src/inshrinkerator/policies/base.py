@@ -21,7 +21,9 @@ class Policy(ABC):
     ``plan`` sees the tensors of the state being saved and, per tensor, the
     *reference* it may be coded against: the reconstructed previous checkpoint
     of a run, a base model, or ``None``. A codec with ``uses_reference`` is given
-    that reference to encode and to decode. Lossy policies may search here.
+    that reference to encode and to decode; one with ``uses_context`` names (its
+    ``context_key``) another tensor of the state, stored before it without a context
+    of its own, whose reconstruction it is given. Lossy policies may search here.
     """
 
     #: The name written into files and shown by ``inshrink info``.

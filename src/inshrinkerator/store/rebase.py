@@ -30,7 +30,7 @@ __all__ = ["ExactRebasePolicy", "rebase_step"]
 class ExactRebasePolicy(Policy):
     """``inner``'s codecs where they reproduce each tensor exactly, lossless ones elsewhere.
 
-    No codec it returns uses a reference: the result is a full checkpoint.
+    No codec it returns uses a reference (or a context): the result is a full checkpoint.
     """
 
     def __init__(self, inner: Policy) -> None:
@@ -48,7 +48,7 @@ class ExactRebasePolicy(Policy):
         fallback = self._fallback.plan(leaves, none)
         codecs = []
         for leaf, codec, safe in zip(leaves, chosen, fallback):
-            if codec.uses_reference:
+            if codec.uses_reference or codec.uses_context:
                 codecs.append(safe)
             elif codec.lossless:
                 codecs.append(codec)
