@@ -181,7 +181,8 @@ def read_tensors(
     references: Optional[Mapping[str, torch.Tensor]] = None,
     reference_hint: str = "pass base= with the state it was saved against",
 ) -> dict[str, torch.Tensor]:
-    """Decode only the tensors whose formatted key path is in ``wanted`` (all if None).
+    """Decode only the tensors whose formatted key path is in ``wanted`` (all if None), and
+    the context records they decode with (returned too).
 
     A chain restore decodes of a base step only what a later step is stored against. The
     other tensors' sections are still read and checksummed, so damage anywhere in a base
