@@ -95,3 +95,26 @@ def test_background_work_runs_at_lower_priority_and_foreground_work_does_not(mon
     # A synchronous save's threads (the caller and the codec pool) keep their priority.
     assert len(foreground) >= 2 and all(not marked and nice == foreground_nice for _, marked, nice in foreground)
     assert _nice() == foreground_nice
+
+
+def test_sized_maps_share_out_only_large_items_and_keep_the_order(monkeypatch):
+    from inshrinkerator.codecs._parallel import PARALLEL_MIN_BYTES, parallel_map_sized
+
+    monkeypatch.setattr(_parallel, "worker_count", lambda: 2)
+    caller = threading.get_ident()
+    ran: list[tuple[int, bool]] = []
+
+    def work(x: int) -> int:
+        time.sleep(0.002)  # long enough for a helper to claim some of the large items
+        ran.append((x, threading.get_ident() == caller))
+        return -x
+
+    sizes = [PARALLEL_MIN_BYTES * 4 if x % 3 == 0 else PARALLEL_MIN_BYTES - 1 for x in range(30)]
+    assert parallel_map_sized(work, range(30), sizes) == [-x for x in range(30)]
+    small = [x for x in range(30) if x % 3]
+    # The small items run on the calling thread, after every large one, largest first.
+    assert [x for x, _ in ran[-len(small):]] == small and all(on_caller for _, on_caller in ran[-len(small):])
+    assert {x for x, _ in ran[: 30 - len(small)]} == {x for x in range(30) if x % 3 == 0}
+    assert parallel_map_sized(str, [], []) == []
+    with pytest.raises(ValueError, match="one size per item"):
+        parallel_map_sized(str, [1, 2], [1])

@@ -28,6 +28,13 @@ R = TypeVar("R")
 #: a thread's priority cannot be set apart from its process's).
 BACKGROUND_NICE = 10
 
+#: :func:`parallel_map_sized` shares out only items of at least this many bytes of tensor
+#: data. The work on a smaller tensor is mostly interpreter overhead, which holds the GIL:
+#: two threads only contend for it. On two cores, restoring a 10-deep char GPT chain
+#: (tensors up to 256 KiB) took 0.90 s instead of 1.14 s with them all shared out, and a
+#: MiniLM chain (384 x 384 matrices of 576 KiB and up shared out) 3.45 s instead of 3.79 s.
+PARALLEL_MIN_BYTES = 1 << 19
+
 _lock = threading.Lock()
 _pools: dict[bool, ThreadPoolExecutor] = {}
 _thread = threading.local()
@@ -132,3 +139,21 @@ def parallel_map(fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
     if batch.error is not None:
         raise batch.error
     return batch.results  # type: ignore[return-value]
+
+
+def parallel_map_sized(fn: Callable[[T], R], items: Iterable[T], sizes: Iterable[int]) -> list[R]:
+    """``[fn(x) for x in items]``: the items of at least :data:`PARALLEL_MIN_BYTES` (their
+    ``sizes``, bytes of tensor data) shared out by :func:`parallel_map`, largest first, then
+    the others on the calling thread, largest first."""
+    items, sizes = list(items), list(sizes)
+    if len(items) != len(sizes):
+        raise ValueError("parallel_map_sized needs one size per item")
+    order = sorted(range(len(items)), key=lambda i: -sizes[i])
+    large = [i for i in order if sizes[i] >= PARALLEL_MIN_BYTES]
+    small = order[len(large):]
+    results: list[Optional[R]] = [None] * len(items)
+    for index, result in zip(large, parallel_map(lambda i: fn(items[i]), large)):
+        results[index] = result
+    for index in small:
+        results[index] = fn(items[index])
+    return results  # type: ignore[return-value]

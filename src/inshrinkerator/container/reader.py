@@ -22,7 +22,7 @@ from typing import IO, Any, Optional
 
 import torch
 
-from ..codecs._parallel import parallel_map
+from ..codecs._parallel import parallel_map_sized
 from ..codecs.registry import get_codec
 from ..codecs.scratch import reusing_scratch
 from ..errors import CorruptCheckpointError, FormatError, InkError
@@ -246,11 +246,9 @@ class ContainerReader:
             except BaseException as exc:  # reported in record order below
                 return _Failure(exc)
 
+        # Large tensors decode in parallel, small ones on this thread (parallel_map_sized).
         with reusing_scratch():  # large decoding temporaries reuse their buffers within the batch
-            results = parallel_map(one, sorted(range(len(records)), key=lambda i: -records[i].spec.nbytes))
-        by_record: list[Any] = [None] * len(records)
-        for index, result in zip(sorted(range(len(records)), key=lambda i: -records[i].spec.nbytes), results):
-            by_record[index] = result
+            by_record = parallel_map_sized(one, range(len(records)), [record.spec.nbytes for record in records])
         for result in by_record:
             if isinstance(result, _Failure):
                 raise result.error

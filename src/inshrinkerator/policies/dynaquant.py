@@ -62,7 +62,7 @@ import torch
 
 from ..codecs import Codec, ResidualCodec
 from ..codecs.base import Encoded, same_bits
-from ..codecs._parallel import parallel_map
+from ..codecs._parallel import parallel_map_sized
 from ..codecs.bucket_delta import EntropyStats
 from ..codecs.dynaquant import DynaQuantCodec, DynaQuantDeltaCodec, DynaQuantMaskedCodec, DynaQuantMaskedDeltaCodec
 from ..codecs.factored_moment import FactoredMomentCodec, factored_shape
@@ -353,18 +353,19 @@ class DynaQuant(ParamGroupPolicy):
         weights = self._plan_weights(leaves, references, layout, eligible, codecs)
         first_keep = self._first_moment_keep_at(_steps_since_reference(leaves, references))
         choices = self._plan_moments(leaves, references, layout, eligible, codecs, first_keep, betas)
-        # Encode now, in parallel: the writer's encode calls then return at once, and the
+        # Encode now, the large tensors in parallel: the writer's encode calls then return at once, and the
         # stored weights' real error (stickiness included) can be checked against the budget.
         prepared = [
             (i, codecs[i]) for i in range(len(leaves)) if isinstance(codecs[i], PreparedEncoding)
         ]
-        prepared.sort(key=lambda item: -leaves[item[0]].tensor.numel())
 
         def prepare(item: tuple[int, Codec]) -> Encoded:
             index, codec = item
             return codec.prepare(leaves[index].tensor, _reference_for(codec, leaves[index], references[index]))  # type: ignore[attr-defined]
 
-        encoded = dict(zip((i for i, _ in prepared), parallel_map(prepare, prepared)))
+        encoded = dict(zip((i for i, _ in prepared), parallel_map_sized(
+            prepare, prepared, [_nbytes(leaves[i]) for i, _ in prepared]
+        )))
         # A second moment's encoding with its first moment's zeros (that first moment's
         # reconstruction, which the reader decodes first, gives them for free).
         contenders = [(i, choice) for i, choice in choices.items() if choice.first in encoded]
@@ -376,7 +377,9 @@ class DynaQuant(ParamGroupPolicy):
             reference = _reference_for(codec, leaves[index], references[index])
             return codec.prepare(leaves[index].tensor, reference, context)  # type: ignore[attr-defined]
 
-        joint = dict(zip((i for i, _ in contenders), parallel_map(prepare_joint, contenders)))
+        joint = dict(zip((i for i, _ in contenders), parallel_map_sized(
+            prepare_joint, contenders, [_nbytes(leaves[i]) for i, _ in contenders]
+        )))
         for index, choice in choices.items():
             codecs[index] = choice.settle(encoded[index], joint.get(index), self._memory)
         if weights is not None:
@@ -405,7 +408,9 @@ class DynaQuant(ParamGroupPolicy):
             plain = type(codec).from_config({**codec.get_config(), "stickiness": 0.0})
             plain._hints = codec._hints  # noqa: SLF001 - same hints, no stickiness
             codecs[index] = plain
-        again = parallel_map(lambda i: codecs[i].prepare(leaves[i].tensor, references[i]), sticky)
+        again = parallel_map_sized(
+            lambda i: codecs[i].prepare(leaves[i].tensor, references[i]), sticky, [_nbytes(leaves[i]) for i in sticky]
+        )
         encoded.update(zip(sticky, again))
         record.stored_quality, record.stickiness = weights.stored_quality(encoded), 0.0
 
@@ -564,10 +569,12 @@ class DynaQuant(ParamGroupPolicy):
             return None
         frozen = [i for i in frozen if i not in unchanged]
         keys = {i: format_key_path(leaves[i].path) for i in indices}
-        # Sketching reads every element of every weight: the tensors are shared out between
-        # threads (largest first); the dict keeps the leaf order the search depends on.
-        by_size = sorted(indices, key=lambda i: -leaves[i].tensor.numel())
-        sketched = dict(zip(by_size, parallel_map(lambda i: self._trial(leaves, layout, i), by_size)))
+        # Sketching reads every element of every weight: the large tensors are shared out
+        # between threads (parallel_map_sized); the dict keeps the leaf order the search
+        # depends on.
+        sketched = dict(zip(indices, parallel_map_sized(
+            lambda i: self._trial(leaves, layout, i), indices, [_nbytes(leaves[i]) for i in indices]
+        )))
         trials = {i: sketched[i] for i in indices}
         init = {i: self._memory.centroids[keys[i]] for i in indices if keys[i] in self._memory.centroids}
         budget = self.tolerance * (PROXY_SCALE if self.evaluate is None else 1.0)
@@ -617,8 +624,9 @@ class DynaQuant(ParamGroupPolicy):
             hard = [i for i, ok in zip(indices, cube.within_own_budgets(indices, origin, MAGNITUDE)) if not ok]
             residual = [i for i in hard if i in moving]
             allowed = {i: cube.own_budget(i) for i in residual}
-            coded = parallel_map(
-                lambda i: self._residual_codec(leaves, references, layout, i, trials[i], allowed[i]), residual
+            coded = parallel_map_sized(
+                lambda i: self._residual_codec(leaves, references, layout, i, trials[i], allowed[i]), residual,
+                [_nbytes(leaves[i]) for i in residual],
             )
             for index, (levels, codec) in zip(residual, coded):
                 codecs[index] = codec
@@ -742,8 +750,8 @@ class DynaQuant(ParamGroupPolicy):
         """Plan every moment's codec into ``codecs``; returns the second moments that may be
         stored either whole or with their first moment's mask (``joint_moment_mask``): the
         smaller encoding is kept once both are encoded."""
-        # Each moment is sketched (every element read) on its own: shared out between threads,
-        # largest first. Their levels are then fitted all at once (a moment's histogram is a
+        # Each moment is sketched (every element read) on its own, the large ones shared out
+        # between threads (parallel_map_sized). Their levels are then fitted all at once (a moment's histogram is a
         # few thousand buckets: one k-means each would cost mostly per-operation overhead),
         # and codecs and warm-start bookkeeping are assigned in leaf order. A statistic
         # named as a non-negative one that holds a negative value (or NaN) is not what its
@@ -756,9 +764,9 @@ class DynaQuant(ParamGroupPolicy):
         ]
         items.sort(key=lambda item: -leaves[item[0]].tensor.numel())
         joint_masks = self._joint_masks(leaves, layout, items, first_keep, betas)
-        sketched = parallel_map(
+        sketched = parallel_map_sized(
             lambda item: self._sketch_moment(leaves, references, layout, *item, first_keep, joint_masks.get(item[0])),
-            items,
+            items, [_nbytes(leaves[index]) for index, _ in items],
         )
         plans = [
             plan for entry in sketched
@@ -883,8 +891,9 @@ class DynaQuant(ParamGroupPolicy):
                 and not self._factored(leaves[second].tensor)
             ):
                 joint.append((index, second))
-        masks = parallel_map(
-            lambda pair: _first_moment_prune_mask(leaves[pair[0]].tensor, leaves[pair[1]].tensor, first_keep), joint
+        masks = parallel_map_sized(
+            lambda pair: _first_moment_prune_mask(leaves[pair[0]].tensor, leaves[pair[1]].tensor, first_keep), joint,
+            [_nbytes(leaves[first]) for first, _ in joint],
         )
         return {index: mask for pair, mask in zip(joint, masks) for index in pair}
 
@@ -1046,6 +1055,10 @@ def restart_step_growth(betas: Any) -> float:
     if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
         return math.inf
     return _restart_growth(beta1, beta2)
+
+
+def _nbytes(leaf: TensorLeaf) -> int:
+    return leaf.tensor.numel() * leaf.tensor.element_size()
 
 
 def _encoded_size(encoded: Encoded) -> int:
