@@ -152,7 +152,7 @@ class StageTimer:
 
 _CODECS = "inshrinkerator.codecs"
 SAVE_STAGES = [
-    ("policy.plan (search + prepared encodes)", "inshrinkerator.policies.dynaquant", "DynaQuant.plan"),
+    ("policy.plan_grouped (search + prepared encodes)", "inshrinkerator.policies.dynaquant", "DynaQuant.plan_grouped"),
     ("codec encode (DynaQuantCodec._encode)", f"{_CODECS}.dynaquant", "DynaQuantCodec._encode"),
     ("bucket ids: encode_bucket_ids", f"{_CODECS}.dynaquant", "encode_bucket_ids"),
     ("run tokens: to_run_tokens", f"{_CODECS}.bucket_delta", "to_run_tokens"),
@@ -160,8 +160,9 @@ SAVE_STAGES = [
     ("entropy: ANS encodes (part of the above)", f"{_CODECS}.bucket_delta", "encode_symbols"),
     ("stickiness: stick_to_predicted", f"{_CODECS}.dynaquant", "stick_to_predicted"),
     ("ids: assign_ids", f"{_CODECS}.dynaquant", "assign_ids"),
+    ("k-means: fit_centroids_batch (moment levels)", "inshrinkerator.policies.dynaquant", "fit_centroids_batch"),
+    ("k-means: float32_levels_batch (policy fits)", "inshrinkerator.policies.dynaquant", "float32_levels_batch"),
     ("k-means: weighted_kmeans_1d (codec fits)", f"{_CODECS}.nonuniform_quantizer", "weighted_kmeans_1d"),
-    ("k-means: weighted_kmeans_1d (policy fits)", f"{_CODECS}.weighted_kmeans", "weighted_kmeans_1d"),
     ("residual weights: ResidualCodec.encode", f"{_CODECS}.residual", "ResidualCodec.encode"),
     ("lossless: ByteGroupingCodec.encode", f"{_CODECS}.byte_grouping", "ByteGroupingCodec.encode"),
     ("container: ContainerWriter.finish", "inshrinkerator.container.writer", "ContainerWriter.finish"),
