@@ -118,3 +118,32 @@ def test_sized_maps_share_out_only_large_items_and_keep_the_order(monkeypatch):
     assert parallel_map_sized(str, [], []) == []
     with pytest.raises(ValueError, match="one size per item"):
         parallel_map_sized(str, [1, 2], [1])
+
+
+def test_a_background_sized_map_shares_out_every_item(monkeypatch):
+    from inshrinkerator.codecs._parallel import PARALLEL_MIN_BYTES, parallel_map_sized
+
+    shared: list[list] = []
+    real = _parallel.parallel_map
+
+    def recording(fn, items):
+        items = list(items)
+        shared.append(items)
+        return real(fn, items)
+
+    monkeypatch.setattr(_parallel, "parallel_map", recording)
+    sizes = [PARALLEL_MIN_BYTES, 1, PARALLEL_MIN_BYTES - 1, 2 * PARALLEL_MIN_BYTES]
+    results: dict[str, list] = {}
+
+    def run(name: str, background: bool) -> None:
+        if background:
+            _parallel._thread.background = True  # as lower_priority marks it, without the nice value
+        results[name] = parallel_map_sized(lambda x: x * 10, range(4), sizes)
+
+    for name, background in (("foreground", False), ("background", True)):
+        thread = threading.Thread(target=run, args=(name, background))
+        thread.start()
+        thread.join()
+    assert results == {"foreground": [0, 10, 20, 30], "background": [0, 10, 20, 30]}
+    # shared out, largest first: the two large items in the foreground, all four in the background
+    assert shared == [[3, 0], [3, 0, 2, 1]]

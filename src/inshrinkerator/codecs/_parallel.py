@@ -144,12 +144,18 @@ def parallel_map(fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
 def parallel_map_sized(fn: Callable[[T], R], items: Iterable[T], sizes: Iterable[int]) -> list[R]:
     """``[fn(x) for x in items]``: the items of at least :data:`PARALLEL_MIN_BYTES` (their
     ``sizes``, bytes of tensor data) shared out by :func:`parallel_map`, largest first, then
-    the others on the calling thread, largest first."""
+    the others on the calling thread, largest first.
+
+    On a background thread (an async save) every item is shared out: beside the training
+    loop, what counts is how soon the save is done, so that the next one does not wait for
+    it (MiniLM's async saves blocked 0.13 s in four runs of ``benchmarks/async_overhead.py``
+    this way, 0.13-0.91 s with the small tensors on one background thread)."""
     items, sizes = list(items), list(sizes)
     if len(items) != len(sizes):
         raise ValueError("parallel_map_sized needs one size per item")
     order = sorted(range(len(items)), key=lambda i: -sizes[i])
-    large = [i for i in order if sizes[i] >= PARALLEL_MIN_BYTES]
+    least = 0 if in_background() else PARALLEL_MIN_BYTES
+    large = [i for i in order if sizes[i] >= least]
     small = order[len(large):]
     results: list[Optional[R]] = [None] * len(items)
     for index, result in zip(large, parallel_map(lambda i: fn(items[i]), large)):
