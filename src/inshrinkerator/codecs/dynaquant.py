@@ -434,7 +434,7 @@ class DynaQuantDeltaCodec(DynaQuantCodec):
 
 
 class _ContextZeros:
-    """What the masked codecs share: the zeros of the context tensor."""
+    """What the masked codecs share: the zeros of the context tensor, in encode and decode."""
 
     codec_id: str
     uses_context = True
@@ -462,6 +462,30 @@ class _ContextZeros:
             )
         return context.detach().reshape(-1).cpu() == 0
 
+    def _masked_reference(self, spec: TensorSpec, reference: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        raise NotImplementedError
+
+    def encode(
+        self,
+        tensor: torch.Tensor,
+        reference: Optional[torch.Tensor] = None,
+        context: Optional[torch.Tensor] = None,
+    ) -> Encoded:
+        spec = TensorSpec.of(tensor)
+        reference = self._masked_reference(spec, reference)
+        zeros = self._zeros(spec, context).to(tensor.device)
+        return self._take_prepared(tensor, reference, context) or self._encode(tensor, reference, zeros)  # type: ignore[attr-defined]
+
+    def decode(
+        self,
+        streams: Sequence[Any],
+        params: dict[str, Any],
+        spec: TensorSpec,
+        reference: Optional[torch.Tensor] = None,
+        context: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        return self._decode(streams, spec, self._masked_reference(spec, reference), self._zeros(spec, context))  # type: ignore[attr-defined]
+
 
 @register_codec
 class DynaQuantMaskedCodec(_ContextZeros, DynaQuantCodec):
@@ -477,24 +501,8 @@ class DynaQuantMaskedCodec(_ContextZeros, DynaQuantCodec):
 
     codec_id = "dynaquant_masked"
 
-    def encode(
-        self,
-        tensor: torch.Tensor,
-        reference: Optional[torch.Tensor] = None,
-        context: Optional[torch.Tensor] = None,
-    ) -> Encoded:
-        zeros = self._zeros(TensorSpec.of(tensor), context).to(tensor.device)
-        return self._take_prepared(tensor, None, context) or self._encode(tensor, None, zeros)
-
-    def decode(
-        self,
-        streams: Sequence[Any],
-        params: dict[str, Any],
-        spec: TensorSpec,
-        reference: Optional[torch.Tensor] = None,
-        context: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor:
-        return self._decode(streams, spec, None, self._zeros(spec, context))
+    def _masked_reference(self, spec: TensorSpec, reference: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        return None
 
 
 @register_codec
@@ -504,23 +512,5 @@ class DynaQuantMaskedDeltaCodec(_ContextZeros, DynaQuantDeltaCodec):
 
     codec_id = "dynaquant_masked_delta"
 
-    def encode(
-        self,
-        tensor: torch.Tensor,
-        reference: Optional[torch.Tensor] = None,
-        context: Optional[torch.Tensor] = None,
-    ) -> Encoded:
-        spec = TensorSpec.of(tensor)
-        reference = self._check_reference(spec, reference)
-        zeros = self._zeros(spec, context).to(tensor.device)
-        return self._take_prepared(tensor, reference, context) or self._encode(tensor, reference, zeros)
-
-    def decode(
-        self,
-        streams: Sequence[Any],
-        params: dict[str, Any],
-        spec: TensorSpec,
-        reference: Optional[torch.Tensor] = None,
-        context: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor:
-        return self._decode(streams, spec, self._check_reference(spec, reference), self._zeros(spec, context))
+    def _masked_reference(self, spec: TensorSpec, reference: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        return self._check_reference(spec, reference)
