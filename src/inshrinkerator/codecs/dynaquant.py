@@ -60,7 +60,8 @@ from .scratch import scratch
 from .varint import decode_varint, encode_varint
 
 __all__ = [
-    "DynaQuantCodec", "DynaQuantDeltaCodec", "DynaQuantMaskedCodec", "DynaQuantMaskedDeltaCodec", "check_reference_fingerprint", "magnitude_thresholds", "predicted_ids",
+    "DynaQuantCodec", "DynaQuantDeltaCodec", "DynaQuantMaskedCodec", "DynaQuantMaskedDeltaCodec",
+    "check_reference_fingerprint", "magnitude_thresholds", "predicted_ids",
     "reference_fingerprint",
 ]
 

@@ -353,8 +353,9 @@ class DynaQuant(ParamGroupPolicy):
         weights = self._plan_weights(leaves, references, layout, eligible, codecs)
         first_keep = self._first_moment_keep_at(_steps_since_reference(leaves, references))
         choices = self._plan_moments(leaves, references, layout, eligible, codecs, first_keep, betas)
-        # Encode now, the large tensors in parallel: the writer's encode calls then return at once, and the
-        # stored weights' real error (stickiness included) can be checked against the budget.
+        # Encode now (the large tensors in parallel): the writer's encode calls then return at
+        # once, and the stored weights' real error (stickiness included) can be checked
+        # against the budget.
         prepared = [
             (i, codecs[i]) for i in range(len(leaves)) if isinstance(codecs[i], PreparedEncoding)
         ]
@@ -751,11 +752,12 @@ class DynaQuant(ParamGroupPolicy):
         stored either whole or with their first moment's mask (``joint_moment_mask``): the
         smaller encoding is kept once both are encoded."""
         # Each moment is sketched (every element read) on its own, the large ones shared out
-        # between threads (parallel_map_sized). Their levels are then fitted all at once (a moment's histogram is a
-        # few thousand buckets: one k-means each would cost mostly per-operation overhead),
-        # and codecs and warm-start bookkeeping are assigned in leaf order. A statistic
-        # named as a non-negative one that holds a negative value (or NaN) is not what its
-        # name says (another optimizer's entry of the same name): it stays exact.
+        # between threads (parallel_map_sized). Their levels are then fitted all at once (a
+        # moment's histogram is a few thousand buckets: one k-means each would cost mostly
+        # per-operation overhead), and codecs and warm-start bookkeeping are assigned in leaf
+        # order. A statistic named as a non-negative one that holds a negative value (or NaN)
+        # is not what its name says (another optimizer's entry of the same name): it stays
+        # exact.
         items = [
             (index, role) for index, role in enumerate(layout.roles)
             if eligible[index] and (
