@@ -764,7 +764,6 @@ class DynaQuant(ParamGroupPolicy):
                 role in _FIRST_ORDER or (role in _POSITIVE and float(leaves[index].tensor.min()) >= 0)
             )
         ]
-        items.sort(key=lambda item: -leaves[item[0]].tensor.numel())
         joint_masks = self._joint_masks(leaves, layout, items, first_keep, betas)
         sketched = parallel_map_sized(
             lambda item: self._sketch_moment(leaves, references, layout, *item, first_keep, joint_masks.get(item[0])),
