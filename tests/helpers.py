@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Optional
 
 import torch
 
-from inshrinkerator.codecs import Codec, TensorSpec, get_codec
+from inshrinkerator.codecs import Codec, Encoded, TensorSpec, get_codec
+from inshrinkerator.tree import TensorLeaf, format_key_path
 
 ALL_DTYPES = [
     torch.float32, torch.float16, torch.bfloat16, torch.float64,
@@ -78,6 +80,30 @@ def training_state(steps: int = 3, seed: int = 0) -> dict[str, Any]:
         "rng": torch.get_rng_state(),
         "config": OrderedDict(lr=1e-3, name="cnn", layers=[8, 10], dropout=None),
     }
+
+
+def encode_planned(
+    leaves: Sequence[TensorLeaf], codecs: Sequence[Codec], references: Optional[Sequence[Optional[torch.Tensor]]] = None
+) -> list[Encoded]:
+    """Every leaf encoded with its planned codec, as the writer does: a codec that uses a
+    context gets its context tensor's reconstruction (encoded first)."""
+    keys = [format_key_path(leaf.path) for leaf in leaves]
+    references = references if references is not None else [None] * len(leaves)
+    encoded: dict[int, Encoded] = {}
+
+    def encode(index: int) -> Encoded:
+        if index not in encoded:
+            codec, tensor = codecs[index], leaves[index].tensor
+            reference = references[index] if codec.uses_reference else None
+            if codec.uses_context:
+                context = encode(keys.index(codec.context_key))  # type: ignore[attr-defined]
+                rebuilt = context.reconstruction if context.reconstruction is not None else leaves[keys.index(codec.context_key)].tensor  # type: ignore[attr-defined]
+                encoded[index] = codec.encode(tensor, reference, context=rebuilt)  # type: ignore[call-arg]
+            else:
+                encoded[index] = codec.encode(tensor, reference)
+        return encoded[index]
+
+    return [encode(index) for index in range(len(leaves))]
 
 
 def check_codec_roundtrip(codec: Codec, tensor: torch.Tensor, reference: torch.Tensor | None = None) -> torch.Tensor:

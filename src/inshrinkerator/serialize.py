@@ -13,7 +13,7 @@ from typing import IO, Any, Optional
 
 import torch
 
-from .codecs.base import Codec, TensorSpec
+from .codecs.base import Codec, Encoded, TensorSpec
 from .codecs.lossy_input import all_finite
 from .container import ContainerReader, ContainerWriter
 from .errors import BrokenChainError, FormatError
@@ -81,29 +81,43 @@ def write_state(
     used_reference = False
     reconstruction: dict[str, torch.Tensor] = {}
     # The reconstructions other tensors are encoded with (their contexts), by record index.
-    kept: dict[int, Optional[torch.Tensor]] = {index: None for index in contexts.values()}
+    context_records = set(contexts.values())
+    kept: dict[int, torch.Tensor] = {}
+    # Contexts stored after a record that needs them are encoded first, and held until
+    # their turn.
+    early: dict[int, Encoded] = {}
+
+    def encode(index: int) -> Encoded:
+        codec, tensor = codecs[index], flat.tensors[index].tensor
+        reference = refs[index] if codec.uses_reference else None
+        context = contexts.get(index)
+        if context is not None:
+            if context not in kept:
+                early[context] = encode(context)
+            return codec.encode(tensor, reference, context=kept[context])  # type: ignore[call-arg]
+        if index in early:
+            return early.pop(index)
+        if index in context_records:
+            encoded = codec.encode(tensor, reference)
+            kept[index] = encoded.reconstruction if encoded.reconstruction is not None else tensor
+            return encoded
+        # A codec that can produce its streams one at a time (encode_lazily) hands them to
+        # the writer as they are made: a huge tensor never has all its output in memory.
+        return getattr(codec, "encode_lazily", codec.encode)(tensor, reference)
+
     try:
-        for index, (leaf, key, codec, reference) in enumerate(zip(flat.tensors, keys, codecs, refs)):
+        for index, (leaf, key, codec) in enumerate(zip(flat.tensors, keys, codecs)):
             tensor = leaf.tensor
             raw_bytes += tensor.numel() * tensor.element_size()
-            reference = reference if codec.uses_reference else None
-            context = contexts.get(index)
-            if context is not None:
-                encoded = codec.encode(tensor, reference, context=kept[context])  # type: ignore[call-arg]
-            else:
-                # A codec that can produce its streams one at a time (encode_lazily) hands them
-                # to the writer as they are made: a huge tensor never has all its output in memory.
-                encoded = getattr(codec, "encode_lazily", codec.encode)(tensor, reference)
+            encoded = encode(index)
             used_reference |= codec.uses_reference
             writer.add(
                 TensorSpec.of(tensor),
                 codec.get_config(),
                 encoded,
                 reference=reference_name if codec.uses_reference else None,
-                context=context,
+                context=contexts.get(index),
             )
-            if index in kept:
-                kept[index] = encoded.reconstruction if encoded.reconstruction is not None else tensor
             if keep_reconstruction:
                 rebuilt = encoded.reconstruction if encoded.reconstruction is not None else tensor
                 reconstruction[key] = rebuilt
@@ -120,7 +134,7 @@ def _context_indices(keys: Sequence[str], codecs: Sequence[Codec]) -> dict[int, 
     """Record index -> the index of its context record, for the codecs that use one.
 
     Raises:
-        ValueError: a codec's context is not a tensor stored before it without a context
+        ValueError: a codec's context is not another tensor of the state without a context
             of its own (a bug in the policy that planned it).
     """
     index_of = {key: index for index, key in enumerate(keys)}
@@ -130,10 +144,10 @@ def _context_indices(keys: Sequence[str], codecs: Sequence[Codec]) -> dict[int, 
             continue
         key = getattr(codec, "context_key", None)
         context = index_of.get(key) if isinstance(key, str) else None
-        if context is None or context >= index or codecs[context].uses_context:
+        if context is None or context == index or codecs[context].uses_context:
             raise ValueError(
                 f"{type(codec).__name__} for {keys[index]} was planned against context {key!r}, which "
-                "is not a tensor of the state stored before it without a context of its own"
+                "is not another tensor of the state without a context of its own"
             )
         contexts[index] = context
     return contexts

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 import inshrinkerator as ink
-from inshrinkerator.codecs import DynaQuantCodec, DynaQuantDeltaCodec, FactoredMomentCodec
+from inshrinkerator.codecs import DynaQuantCodec, DynaQuantDeltaCodec, DynaQuantGroupedCodec, FactoredMomentCodec
 from inshrinkerator.policies import DynaQuant, resolve_policy
 from inshrinkerator.tree import flatten, format_key_path
 
-from ..helpers import assert_same
+from ..helpers import assert_same, encode_planned
 
 
 @pytest.fixture(autouse=True)
@@ -596,8 +596,7 @@ def _plan_and_encode(policy: DynaQuant, model: torch.nn.Module, optimizer: torch
     keys = [format_key_path(leaf.path) for leaf in flat.tensors]
     refs = [references.get(key) for key in keys] if references else [None] * len(keys)
     codecs = policy.plan(flat.tensors, refs)
-    encoded = {key: codec.encode(leaf.tensor, ref if codec.uses_reference else None)
-               for key, leaf, codec, ref in zip(keys, flat.tensors, codecs, refs)}
+    encoded = dict(zip(keys, encode_planned(flat.tensors, codecs, refs)))
     return dict(zip(keys, codecs)), encoded, {key: leaf.tensor.clone() for key, leaf in zip(keys, flat.tensors)}
 
 
@@ -645,8 +644,8 @@ def test_precision_only_grows_between_checkpoints() -> None:
     codecs = policy.plan(flat.tensors, [None] * len(flat.tensors))
     first = policy.search_log[-1].config["tensors_by_bins"]
     # Re-save what a restore would hold: the quantized weights, which now look easy.
-    restored = [codec.encode(leaf.tensor).reconstruction if not codec.lossless else None
-                for codec, leaf in zip(codecs, flat.tensors)]
+    restored = [encoded.reconstruction if not codec.lossless else None
+                for codec, encoded in zip(codecs, encode_planned(flat.tensors, codecs))]
     leaves = [type(leaf)(leaf.path, rebuilt if rebuilt is not None else leaf.tensor)
               for leaf, rebuilt in zip(flat.tensors, restored)]
     policy.plan(leaves, [None] * len(leaves))
@@ -775,12 +774,23 @@ def test_the_second_moment_choice_settles_on_the_smaller_encoding() -> None:
         return _Candidate(codec, EntropyStats(), {})
 
     whole, joint = DynaQuantDeltaCodec(bins=8), DynaQuantDeltaCodec(bins=4)
-    small, large = Encoded([b"x" * 10]), Encoded([b"x" * 20])
-    choice = _SecondMomentChoice(candidate(whole), candidate(joint), first=0)
-    assert choice.settle(large, small, _Memory()) is joint
-    assert choice.settle(small, large, _Memory()) is whole
-    assert choice.settle(small, small, _Memory()) is whole  # a tie keeps the whole moment
-    assert choice.settle(small, None, _Memory()) is whole  # no joint encoding
+    plain, grouped = DynaQuantCodec(bins=8), DynaQuantGroupedCodec(bins=8)
+
+    def size(n):
+        return Encoded([b"x" * n])
+
+    choice = _SecondMomentChoice(candidate(whole), candidate(joint), 0, candidate(plain), candidate(grouped))
+    alone = _SecondMomentChoice(candidate(whole), candidate(joint), 0, candidate(plain))
+    assert choice.settle(size(20), size(10), size(30), None, _Memory()) == (joint, plain)
+    assert choice.settle(size(10), size(20), size(30), None, _Memory()) == (whole, plain)
+    assert choice.settle(size(10), size(10), size(30), None, _Memory()) == (whole, plain)  # a tie keeps it whole
+    assert choice.settle(size(10), None, size(30), None, _Memory()) == (whole, plain)  # no joint encoding
+    # The pair decides: the joint second moment is smaller alone, the grouped first moment
+    # (which needs the whole second moment) more than makes up for it.
+    assert choice.settle(size(20), size(10), size(30), size(15), _Memory()) == (whole, grouped)
+    assert choice.settle(size(20), size(10), size(30), size(25), _Memory()) == (joint, plain)
+    assert choice.settle(size(20), size(30), size(30), size(35), _Memory()) == (whole, plain)
+    assert alone.settle(size(20), size(10), size(30), None, _Memory()) == (joint, plain)
 
 
 def test_the_joint_mask_needs_betas_that_keep_a_restart_s_steps_within_twice() -> None:

@@ -12,7 +12,13 @@ from .kmeans_quantize import KMeansQuantizeCodec
 from .uniform_quantize import UniformQuantizeCodec
 from .entropy_width_quantize import EntropyWidthQuantizeCodec
 from .cyclic_code_delta import CyclicCodeDeltaCodec
-from .dynaquant import DynaQuantCodec, DynaQuantDeltaCodec, DynaQuantMaskedCodec, DynaQuantMaskedDeltaCodec
+from .dynaquant import (
+    DynaQuantCodec,
+    DynaQuantDeltaCodec,
+    DynaQuantGroupedCodec,
+    DynaQuantMaskedCodec,
+    DynaQuantMaskedDeltaCodec,
+)
 from .factored_moment import FactoredMomentCodec
 from .unchanged import UnchangedCodec
 
@@ -39,6 +45,7 @@ __all__ = [
     "CyclicCodeDeltaCodec",
     "DynaQuantCodec",
     "DynaQuantDeltaCodec",
+    "DynaQuantGroupedCodec",
     "DynaQuantMaskedCodec",
     "DynaQuantMaskedDeltaCodec",
     "FactoredMomentCodec",

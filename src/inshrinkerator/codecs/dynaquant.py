@@ -14,6 +14,9 @@ fingerprint of the reference is stored, so decoding against another tensor is a
 ``DynaQuantMaskedCodec`` and ``DynaQuantMaskedDeltaCodec`` code only the entries where
 another tensor of the same checkpoint (its context: a first moment, for its second
 moment) is non-zero; the others are 0, and the mask costs nothing.
+``DynaQuantGroupedCodec`` codes its ids in one stream per octave of its context (a
+second moment, for its first moment): Adam's ``|m|`` follows ``sqrt(v)``, so each
+octave's ids have a narrower distribution than the whole tensor's.
 
 Without hints the codec prunes and protects by magnitude with its own fractions
 and fits its own levels. A policy can pass ready thresholds, levels, element
@@ -26,6 +29,10 @@ Stream layout (one stream, little-endian; ``varint`` is unsigned LEB128)::
     u16 values (n, incl. the zero level), u16 zero index, u16 prune below, u16 protect above,
     u32 reference fingerprint (0 for a full tensor), varint protected count,
     f32[n] level values, protected values (2 bytes each), id stream (the rest)
+
+In ``dynaquant_grouped`` streams the id stream is one framed stream per octave group
+of the context, ascending (:func:`octave_groups`): ``varint length`` + that many bytes,
+and nothing after the last.
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ import torch
 
 from ..errors import BrokenChainError, CorruptCheckpointError, FormatError
 from .base import Codec, Encoded, TensorSpec
-from .bucket_delta import MAX_LEVELS, EntropyStats, decode_bucket_ids, encode_bucket_ids
+from .bucket_delta import MAX_LEVELS, EntropyStats, decode_bucket_ids, encode_bucket_ids, id_dtype
 from .log_sketch import MAGNITUDE_KEYS, MANTISSA_BITS, SIGNED_KEYS, signed_keys
 from .nonuniform_quantizer import (
     CentroidFit,
@@ -60,8 +67,9 @@ from .scratch import scratch
 from .varint import decode_varint, encode_varint
 
 __all__ = [
-    "DynaQuantCodec", "DynaQuantDeltaCodec", "DynaQuantMaskedCodec", "DynaQuantMaskedDeltaCodec",
-    "check_reference_fingerprint", "magnitude_thresholds", "predicted_ids",
+    "DynaQuantCodec", "DynaQuantDeltaCodec", "DynaQuantGroupedCodec", "DynaQuantMaskedCodec",
+    "DynaQuantMaskedDeltaCodec", "GROUP_MIN_ELEMENTS", "check_reference_fingerprint", "magnitude_thresholds",
+    "octave_groups", "predicted_ids",
     "reference_fingerprint",
 ]
 
@@ -97,6 +105,41 @@ def _signed_keys(values: torch.Tensor) -> torch.Tensor:
     keys = scratch("keys", flat.numel(), torch.int32, flat.device)
     torch.bitwise_right_shift(flat.contiguous().view(torch.int32), 23 - MANTISSA_BITS, out=keys)
     return keys.bitwise_and_(SIGNED_KEYS - 1)
+
+
+#: A context octave group holds at least this many elements (the smallest octaves join the
+#: next ones up; a short last group joins the one before): a group's stream header is a
+#: few bytes, and an octave holding a handful of ids cannot pay for it.
+GROUP_MIN_ELEMENTS = 1024
+# Octave keys (uint8): 0 for zeros, 255 for non-finite values, and the binary exponent in
+# between, clamped (values beyond 2**103 or below 2**-149 share the outermost octave).
+_LOWEST_EXPONENT, _HIGHEST_EXPONENT = -149, 103
+_EXPONENT_OFFSET = 151
+
+
+def octave_groups(context: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """``(order, sizes)``: the flat positions of ``context`` sorted (stably) by the octave of
+    their value, and the sizes of the consecutive groups of that order that are coded
+    as one stream each. A pure function of the values (exact on any device), so encoder
+    and decoder derive the same groups from the same reconstruction."""
+    values = context.detach().reshape(-1).float()
+    octave = torch.frexp(values).exponent.clamp_(_LOWEST_EXPONENT, _HIGHEST_EXPONENT).add_(_EXPONENT_OFFSET)
+    octave = torch.where(values == 0, 0, octave)
+    octave = torch.where(torch.isfinite(values), octave, 255).to(torch.uint8)
+    counts = torch.bincount(octave, minlength=256).tolist()
+    sizes: list[int] = []
+    pending = 0
+    for count in counts:
+        pending += count
+        if pending >= GROUP_MIN_ELEMENTS:
+            sizes.append(pending)
+            pending = 0
+    if pending:
+        if sizes:
+            sizes[-1] += pending
+        else:
+            sizes.append(pending)
+    return torch.argsort(octave, stable=True), sizes
 
 
 def check_reference_fingerprint(codec_id: str, fingerprint: int, reference: torch.Tensor) -> None:
@@ -262,9 +305,14 @@ class DynaQuantCodec(PreparedEncoding, Codec):
         return make_level_table(centroids, self.domain, *self._thresholds(counts))
 
     def _encode(
-        self, tensor: torch.Tensor, reference: Optional[torch.Tensor], zeros: Optional[torch.Tensor] = None
+        self,
+        tensor: torch.Tensor,
+        reference: Optional[torch.Tensor],
+        zeros: Optional[torch.Tensor] = None,
+        groups: Optional[tuple[torch.Tensor, list[int]]] = None,
     ) -> Encoded:
-        # zeros: a flat mask of entries stored as 0 that the decoder knows (not coded).
+        # zeros: a flat mask of entries stored as 0 that the decoder knows (not coded);
+        # groups: octave_groups of a context, whose groups' ids are coded one stream each.
         if not tensor.dtype.is_floating_point:
             raise ValueError(f"{self.codec_id} stores floating tensors only, got {tensor.dtype}")
         flat = tensor.detach().reshape(-1)
@@ -306,11 +354,19 @@ class DynaQuantCodec(PreparedEncoding, Codec):
             coded_ids = ids[stored]
             coded_predicted = None if predicted is None else predicted[stored]
             changed = None  # positions among the coded entries: the id coder finds them
-        rearrange = coded_predicted is not None and coded_ids.numel() <= REARRANGE_MAX_ELEMENTS
-        id_stream = encode_bucket_ids(
-            coded_ids.cpu(), table.count, None if coded_predicted is None else coded_predicted.cpu(), rearrange,
-            self._hints.get("stats"), None if changed is None else changed.cpu(),
-        )
+        if groups is not None:
+            if zeros is not None or predicted is not None:
+                raise ValueError(f"{self.codec_id}: octave groups code whole tensors only")
+            order, sizes = groups
+            parts = torch.split(ids[order.to(ids.device)].cpu(), sizes)
+            coded = [encode_bucket_ids(part, table.count, None, False, self._hints.get("stats")) for part in parts]
+            id_stream = b"".join(encode_varint(len(part)) + part for part in coded)
+        else:
+            rearrange = coded_predicted is not None and coded_ids.numel() <= REARRANGE_MAX_ELEMENTS
+            id_stream = encode_bucket_ids(
+                coded_ids.cpu(), table.count, None if coded_predicted is None else coded_predicted.cpu(), rearrange,
+                self._hints.get("stats"), None if changed is None else changed.cpu(),
+            )
         head = _LAYOUT.pack(
             _VERSION, flags, table.values.numel(), table.zero_index, table.prune_below,
             table.protect_above, fingerprint,
@@ -337,6 +393,7 @@ class DynaQuantCodec(PreparedEncoding, Codec):
         spec: TensorSpec,
         reference: Optional[torch.Tensor],
         zeros: Optional[torch.Tensor] = None,
+        groups: Optional[tuple[torch.Tensor, list[int]]] = None,
     ) -> torch.Tensor:
         if len(streams) != 1:
             raise CorruptCheckpointError(f"{self.codec_id}: expected 1 stream, got {len(streams)}")
@@ -373,7 +430,9 @@ class DynaQuantCodec(PreparedEncoding, Codec):
         else:
             protected = torch.empty(0, dtype=protected_dtype)
         predicted = None if reference is None else predicted_ids(table, reference)
-        if zeros is None:
+        if groups is not None:
+            ids = self._decode_groups(view, protected_end, table.count, spec.numel, groups)
+        elif zeros is None:
             ids = decode_bucket_ids(view[protected_end:], table.count, spec.numel, predicted)
         else:
             stored = ~zeros
@@ -391,6 +450,25 @@ class DynaQuantCodec(PreparedEncoding, Codec):
         if mismatch:
             raise CorruptCheckpointError(f"{self.codec_id}: protected ids and values disagree")
         return reconstruct(ids, table, protected, spec.dtype, spec.shape, positions)
+
+    def _decode_groups(
+        self, view: memoryview, start: int, levels: int, count: int, groups: tuple[torch.Tensor, list[int]]
+    ) -> torch.Tensor:
+        order, sizes = groups
+        parts = []
+        cursor = start
+        for size in sizes:
+            length, cursor = decode_varint(view, cursor)
+            if length > len(view) - cursor:
+                raise CorruptCheckpointError(f"{self.codec_id}: an octave group runs past the stream's end")
+            parts.append(decode_bucket_ids(view[cursor : cursor + length], levels, size))
+            cursor += length
+        if cursor != len(view):
+            raise CorruptCheckpointError(f"{self.codec_id}: {len(view) - cursor} bytes follow the last octave group")
+        ids = torch.empty(count, dtype=parts[0].dtype if parts else id_dtype(levels))
+        if parts:
+            ids[order] = torch.cat(parts)
+        return ids
 
     def decode(
         self,
@@ -434,8 +512,8 @@ class DynaQuantDeltaCodec(DynaQuantCodec):
 
 
 
-class _ContextZeros:
-    """What the masked codecs share: the zeros of the context tensor, in encode and decode."""
+class _Contextual:
+    """A codec that also decodes with another tensor of the same file: its context."""
 
     codec_id: str
     uses_context = True
@@ -447,21 +525,27 @@ class _ContextZeros:
         return self._context_key
 
     def against(self, context_key: str) -> "Any":
-        """This codec, planned to take its zeros from the tensor at ``context_key``."""
+        """This codec, planned to decode with the tensor at ``context_key``."""
         self._context_key = context_key
         return self
 
-    def _zeros(self, spec: TensorSpec, context: Optional[torch.Tensor]) -> torch.Tensor:
+    def _context(self, spec: TensorSpec, context: Optional[torch.Tensor]) -> torch.Tensor:
         if context is None:
             raise FormatError(
-                f"{self.codec_id}: this tensor takes its zeros from another tensor of the file, "
-                "which was not given"
+                f"{self.codec_id}: this tensor is decoded with another tensor of the file, which was not given"
             )
         if context.numel() != spec.numel:
             raise FormatError(
                 f"{self.codec_id}: the context tensor has {context.numel()} elements, this tensor {spec.numel}"
             )
-        return context.detach().reshape(-1).cpu() == 0
+        return context.detach().reshape(-1)
+
+
+class _ContextZeros(_Contextual):
+    """What the masked codecs share: the zeros of the context tensor, in encode and decode."""
+
+    def _zeros(self, spec: TensorSpec, context: Optional[torch.Tensor]) -> torch.Tensor:
+        return self._context(spec, context).cpu() == 0
 
     def _masked_reference(self, spec: TensorSpec, reference: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         raise NotImplementedError
@@ -474,8 +558,10 @@ class _ContextZeros:
     ) -> Encoded:
         spec = TensorSpec.of(tensor)
         reference = self._masked_reference(spec, reference)
-        zeros = self._zeros(spec, context).to(tensor.device)
-        return self._take_prepared(tensor, reference, context) or self._encode(tensor, reference, zeros)  # type: ignore[attr-defined]
+        prepared = self._take_prepared(tensor, reference, context)  # type: ignore[attr-defined]
+        if prepared is not None:
+            return prepared
+        return self._encode(tensor, reference, self._zeros(spec, context).to(tensor.device))  # type: ignore[attr-defined]
 
     def decode(
         self,
@@ -515,3 +601,40 @@ class DynaQuantMaskedDeltaCodec(_ContextZeros, DynaQuantDeltaCodec):
 
     def _masked_reference(self, spec: TensorSpec, reference: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         return self._check_reference(spec, reference)
+
+
+@register_codec
+class DynaQuantGroupedCodec(_Contextual, DynaQuantCodec):
+    """:class:`DynaQuantCodec` with its ids coded in one stream per octave of its *context*.
+
+    The context is another tensor of the same checkpoint with the same number of
+    elements (the writer and the reader hand over its reconstruction as ``context=``):
+    Adam's second moment, for its first moment. ``|m|`` grows with ``sqrt(v)``, so the ids
+    of the entries whose ``v`` shares an octave spread over fewer levels than the whole
+    tensor's, and each group's own entropy coder pays less for them. The levels and the
+    reconstruction are :class:`DynaQuantCodec`'s; the groups cost no bytes, since the
+    decoder finds them from the context (:func:`octave_groups`).
+    """
+
+    codec_id = "dynaquant_grouped"
+
+    def encode(
+        self,
+        tensor: torch.Tensor,
+        reference: Optional[torch.Tensor] = None,
+        context: Optional[torch.Tensor] = None,
+    ) -> Encoded:
+        prepared = self._take_prepared(tensor, None, context)
+        if prepared is not None:
+            return prepared
+        return self._encode(tensor, None, groups=octave_groups(self._context(TensorSpec.of(tensor), context)))
+
+    def decode(
+        self,
+        streams: Sequence[Any],
+        params: dict[str, Any],
+        spec: TensorSpec,
+        reference: Optional[torch.Tensor] = None,
+        context: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        return self._decode(streams, spec, None, groups=octave_groups(self._context(spec, context).cpu()))

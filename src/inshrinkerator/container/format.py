@@ -210,7 +210,7 @@ class TensorRecord:
     params: dict[str, Any]
     sections: tuple[Section, ...]
     reference: Optional[str]  # None, or the name of what a delta codec decodes against
-    #: None, or the index of an earlier record of the file (itself without a context) whose
+    #: None, or the index of another record of the file (itself without a context) whose
     #: decoded tensor the codec also decodes with (``Codec.uses_context``)
     context: Optional[int] = None
 
@@ -365,12 +365,14 @@ def parse_header(raw: bytes, source: str, version: int = FORMAT_VERSION) -> Head
     alignment = section_alignment(version)
     for index, item in enumerate(tensors):
         record, cursor = _parse_record(item, cursor, data_bytes, alignment, f"{source}: tensor #{index}")
-        if record.context is not None and (record.context >= index or records[record.context].context is not None):
-            raise FormatError(
-                f"{source}: tensor #{index}: its context must be an earlier record without a context of "
-                f"its own, not #{record.context}"
-            )
         records.append(record)
+    for index, record in enumerate(records):
+        context = record.context
+        if context is not None and (context == index or context >= len(records) or records[context].context is not None):
+            raise FormatError(
+                f"{source}: tensor #{index}: its context must be another record without a context of "
+                f"its own, not #{context}"
+            )
     if cursor != data_bytes:
         raise FormatError(f"{source}: the data region is {data_bytes} bytes but its sections end at {cursor}")
     try:

@@ -54,7 +54,8 @@ class ContainerWriter:
         context: Optional[int] = None,
     ) -> int:
         """Append one tensor's streams; returns the bytes stored for it. ``context``: the
-        index of an earlier record (without a context) its codec decodes with.
+        index of another record (without a context of its own, added before or after this
+        one) its codec decodes with; :meth:`finish` checks that it exists.
 
         ``encoded.streams`` is iterated once, and each stream is written to the spool before
         the next is taken, so streams produced lazily (``ByteGroupingCodec.encode_lazily``)
@@ -63,10 +64,14 @@ class ContainerWriter:
         Raises:
             FormatError: the codec's output breaks a rule the reader enforces (it decodes
                 to more than the codec's ``max_expansion`` allows): a bug in the codec.
-            ValueError: ``context`` is not an earlier record without a context.
+            ValueError: ``context`` is this record, or an earlier record with a context of its
+                own.
         """
-        if context is not None and not (0 <= context < len(self._records) and "context" not in self._records[context]):
-            raise ValueError(f"a record's context must be an earlier record without one of its own, not #{context}")
+        index = len(self._records)
+        if context is not None and not (
+            context >= 0 and context != index and (context > index or "context" not in self._records[context])
+        ):
+            raise ValueError(f"a record's context must be another record without one of its own, not #{context}")
         start = self._cursor
         sections = []
         stored = 0
@@ -112,7 +117,14 @@ class ContainerWriter:
         Raises:
             UnsupportedStateError: the header would exceed the format's size limit (a state
                 with millions of plain values: store long lists of numbers as tensors).
+            ValueError: a record's context is not another record without a context.
         """
+        for index, record in enumerate(self._records):
+            context = record.get("context")
+            if context is not None and (context >= len(self._records) or "context" in self._records[context]):
+                raise ValueError(
+                    f"record #{index}: its context #{context} is not another record without one of its own"
+                )
         document = json.dumps(
             {
                 "format": "inshrinkerator",
