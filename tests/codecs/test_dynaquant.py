@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from inshrinkerator.codecs import (
     DynaQuantCodec,
     DynaQuantDeltaCodec,
+    DynaQuantGroupedCodec,
     DynaQuantMaskedCodec,
     DynaQuantMaskedDeltaCodec,
     TensorSpec,
@@ -17,6 +18,7 @@ from inshrinkerator.codecs import (
 )
 from inshrinkerator.codecs.entropy import order0_entropy_bits
 from inshrinkerator.codecs.bucket_delta import EntropyStats
+from inshrinkerator.codecs.dynaquant import GROUP_MIN_ELEMENTS, octave_groups
 from inshrinkerator.codecs.log_sketch import magnitude_keys
 from inshrinkerator.errors import BrokenChainError, FormatError
 
@@ -151,7 +153,7 @@ def test_config_round_trips_and_bad_options_are_refused() -> None:
 @pytest.mark.parametrize(
     "case",
     golden_cases("dynaquant") + golden_cases("dynaquant_delta")
-    + golden_cases("dynaquant_masked") + golden_cases("dynaquant_masked_delta"),
+    + golden_cases("dynaquant_masked") + golden_cases("dynaquant_masked_delta") + golden_cases("dynaquant_grouped"),
     ids=lambda p: f"{p.parent.name}/{p.name}",
 )
 def test_golden_files_decode_and_encode_the_same(case) -> None:
@@ -162,7 +164,7 @@ def test_golden_files_decode_and_encode_the_same(case) -> None:
 
 
 def test_goldens_exist() -> None:
-    for codec_id in ("dynaquant", "dynaquant_delta", "dynaquant_masked", "dynaquant_masked_delta"):
+    for codec_id in ("dynaquant", "dynaquant_delta", "dynaquant_masked", "dynaquant_masked_delta", "dynaquant_grouped"):
         assert golden_cases(codec_id), codec_id
 
 
@@ -245,3 +247,81 @@ def test_a_masked_codec_refuses_a_missing_or_mismatched_context() -> None:
     with pytest.raises(BrokenChainError):
         delta.decode(stored.streams, stored.params, TensorSpec.of(moment), previous * 2, context=first)
     assert delta.against("optimizer/state/0/exp_avg").context_key == "optimizer/state/0/exp_avg"
+
+
+def _moments_by_octave(seed: int = 0, shape: tuple[int, int] = (200, 160)) -> tuple[torch.Tensor, torch.Tensor]:
+    # A second moment over ~20 octaves (with some zeros) and a first moment whose magnitude
+    # follows its square root, as Adam's do.
+    generator = torch.Generator().manual_seed(seed)
+    second = torch.exp2(torch.randn(shape, generator=generator) * 4 - 24)
+    second.view(-1)[::50] = 0.0
+    first = torch.randn(shape, generator=generator) * second.sqrt()
+    return first, second
+
+
+def test_octave_groups_sort_by_octave_and_hold_enough_elements() -> None:
+    _, second = _moments_by_octave()
+    values = second.reshape(-1).clone()
+    values[:3] = torch.tensor([float("inf"), float("nan"), -2.0 ** -30])
+    order, sizes = octave_groups(values)
+    assert sorted(order.tolist()) == list(range(values.numel())) and sum(sizes) == values.numel()
+    assert len(sizes) > 5 and min(sizes) >= GROUP_MIN_ELEMENTS
+    octave = torch.frexp(values[order]).exponent
+    zero, finite = values[order] == 0, torch.isfinite(values[order])
+    # Zeros first, non-finite values last, the octaves ascending in between; within one
+    # octave the positions keep their order (stable).
+    assert bool(zero[: int(zero.sum())].all()) and not bool(finite[-2:].any())
+    middle = octave[int(zero.sum()) : -2]
+    assert bool((middle[1:] >= middle[:-1]).all())
+    same = torch.nonzero(torch.frexp(values).exponent == -12).reshape(-1)
+    assert torch.equal(order[torch.isin(order, same)], same)
+    # A group holds whole octaves: each boundary lies between two of them.
+    key = torch.where(zero, -1000, torch.where(finite, octave, 1000))
+    for boundary in torch.cumsum(torch.tensor(sizes), 0)[:-1].tolist():
+        assert int(key[boundary - 1]) != int(key[boundary])
+    few_order, few_sizes = octave_groups(torch.ones(10))
+    assert torch.equal(few_order, torch.arange(10)) and few_sizes == [10]  # one short group
+    assert octave_groups(torch.empty(0))[1] == []
+    # The same values on another device or dtype give the same groups (exact exponents).
+    half_order, half_sizes = octave_groups(values.double())
+    assert torch.equal(half_order, order) and half_sizes == sizes
+
+
+def test_a_grouped_codec_stores_the_plain_values_in_fewer_bytes() -> None:
+    first, second = _moments_by_octave()
+    plain = DynaQuantCodec(bins=8, protect=0.005)
+    grouped = DynaQuantGroupedCodec(bins=8, protect=0.005).against("optimizer/state/0/exp_avg_sq")
+    assert grouped.context_key == "optimizer/state/0/exp_avg_sq" and grouped.uses_context
+    alone = plain.encode(first)
+    stored = grouped.encode(first, context=second)
+    assert same_bits(stored.reconstruction, alone.reconstruction)  # the same levels and ids
+    decoded = grouped.decode(stored.streams, stored.params, TensorSpec.of(first), context=second)
+    assert same_bits(decoded, stored.reconstruction)
+    assert sum(map(len, stored.streams)) < 0.8 * sum(map(len, alone.streams))
+    # A context unrelated to the tensor groups nothing useful: about the plain size.
+    unrelated = grouped.encode(first, context=torch.rand(first.shape, generator=torch.Generator().manual_seed(1)))
+    assert sum(map(len, unrelated.streams)) > 0.95 * sum(map(len, alone.streams))
+    assert get_codec(grouped.get_config()) == grouped
+
+
+def test_a_grouped_codec_refuses_a_missing_or_mismatched_context() -> None:
+    first, second = _moments_by_octave(3, (60, 50))
+    codec = DynaQuantGroupedCodec(bins=8)
+    spec = TensorSpec.of(first)
+    with pytest.raises(FormatError, match="not given"):
+        codec.encode(first)
+    stored = codec.encode(first, context=second)
+    with pytest.raises(FormatError, match="not given"):
+        codec.decode(stored.streams, stored.params, spec)
+    with pytest.raises(FormatError, match="elements"):
+        codec.decode(stored.streams, stored.params, spec, context=second.reshape(-1)[:-1])
+    # Another context puts other numbers of ids in the groups: refused.
+    with pytest.raises(FormatError):
+        codec.decode(stored.streams, stored.params, spec, context=torch.ones(spec.shape))
+    check_damaged_streams(codec, first, context=second)
+    # Bytes after the last group are refused too.
+    with pytest.raises(FormatError, match="follow the last"):
+        codec.decode([bytes(stored.streams[0]) + b"\0"], stored.params, spec, context=second)
+    empty = torch.empty(0)
+    nothing = codec.encode(empty, context=empty)
+    assert codec.decode(nothing.streams, nothing.params, TensorSpec.of(empty), context=empty).numel() == 0

@@ -154,3 +154,32 @@ def test_a_failed_manifest_write_while_rebasing_leaves_no_orphan_for_long(run_ur
     mgr.close()
     assert _data_files(run_url) == {entry.data_file for entry in describe_run(run_url)}
     assert verify_run(run_url) == []
+
+
+def test_rebase_stores_a_tensor_planned_with_a_context_on_its_own() -> None:
+    from inshrinkerator.codecs import ByteGroupingCodec, DynaQuantCodec, DynaQuantGroupedCodec, DynaQuantMaskedCodec
+    from inshrinkerator.store.rebase import ExactRebasePolicy
+    from inshrinkerator.tree import flatten
+
+    class WithContexts:
+        name = "contexts"
+
+        def plan(self, leaves, references):
+            levels = leaves[0].tensor.unique()  # the levels it was stored with (a policy's hint)
+            return [
+                DynaQuantGroupedCodec(bins=8).with_hints(centroids=levels[levels != 0]).against("v"),
+                DynaQuantMaskedCodec(bins=8, domain="log").against("m"),
+                DynaQuantCodec(bins=8, domain="log"),
+            ]
+
+    generator = torch.Generator().manual_seed(0)
+    v = torch.exp2(torch.randn(4096, generator=generator) * 3 - 20)
+    m = torch.randn(4096, generator=generator) * v.sqrt()
+    # Tensors as a restore holds them: already on their levels, so re-encoding is exact.
+    m = DynaQuantCodec(bins=8).encode(m).reconstruction
+    leaves = flatten({"m": m, "v2": DynaQuantCodec(bins=8, domain="log").encode(v).reconstruction, "v": v}).tensors
+    codecs = ExactRebasePolicy(WithContexts()).plan(leaves, [None] * 3)
+    assert not any(codec.uses_context or codec.uses_reference for codec in codecs)
+    assert type(codecs[0]) is DynaQuantCodec and codecs[0].get_config() == {"id": "dynaquant", "bins": 8}
+    assert torch.equal(codecs[0].encode(m).reconstruction, m)
+    assert isinstance(codecs[2], ByteGroupingCodec)  # v itself is not on 8 levels: kept exact

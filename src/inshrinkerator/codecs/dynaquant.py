@@ -529,6 +529,14 @@ class _Contextual:
         self._context_key = context_key
         return self
 
+    def standalone(self) -> "DynaQuantCodec":
+        """The codec this one extends, without a context: same options and hints (for a
+        tensor that must be stored on its own, e.g. when a delta step is rebased)."""
+        base = next(cls for cls in type(self).__mro__[1:] if issubclass(cls, DynaQuantCodec) and not issubclass(cls, _Contextual))
+        codec = base.from_config({**self.get_config(), "id": base.codec_id})  # type: ignore[attr-defined]
+        codec._hints = dict(self._hints)  # type: ignore[attr-defined]
+        return codec  # type: ignore[return-value]
+
     def _context(self, spec: TensorSpec, context: Optional[torch.Tensor]) -> torch.Tensor:
         if context is None:
             raise FormatError(

@@ -48,7 +48,11 @@ class ExactRebasePolicy(Policy):
         fallback = self._fallback.plan(leaves, none)
         codecs = []
         for leaf, codec, safe in zip(leaves, chosen, fallback):
-            if codec.uses_reference or codec.uses_context:
+            if codec.uses_context:
+                # Its context may be stored another way now: the codec it extends, alone.
+                standalone = getattr(codec, "standalone", None)
+                codec = standalone() if standalone is not None else safe
+            if codec.uses_reference:
                 codecs.append(safe)
             elif codec.lossless:
                 codecs.append(codec)

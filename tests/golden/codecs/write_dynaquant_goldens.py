@@ -5,7 +5,8 @@
 Same layout as the baseline codecs' goldens: each case folder holds ``case.json``
 (codec config, params, dtype, shape, stream file names), the streams, the input, the
 reference (delta cases), the context (masked cases: the tensor whose zeros the case
-shares) and the expected decoded tensor, as raw little-endian bytes.
+shares; grouped cases: the tensor whose octaves group the ids) and the expected decoded
+tensor, as raw little-endian bytes.
 Existing cases are kept unless ``--overwrite`` is given: a changed encoding must be a
 deliberate format change, never a silent regeneration.
 
@@ -34,6 +35,7 @@ from inshrinkerator.codecs import (
     Codec,
     DynaQuantCodec,
     DynaQuantDeltaCodec,
+    DynaQuantGroupedCodec,
     DynaQuantMaskedCodec,
     DynaQuantMaskedDeltaCodec,
 )
@@ -76,6 +78,8 @@ def _cases() -> list[tuple[str, Codec, torch.Tensor, Optional[torch.Tensor], Opt
     moment = _second_moment((30, 30), 7)
     log_full = DynaQuantCodec(bins=8, domain="log")
     first = _first_moment((30, 30), 8)
+    spread = _second_moment((64, 80), 9)  # octaves from 2**-36 to 2**-4, and zeros
+    follows = torch.randn((64, 80), generator=torch.Generator().manual_seed(10)) * spread.sqrt()
     return [
         ("dynaquant/float32_bins12_prune_protect", full, base, None, None),
         ("dynaquant/float32_non_finite", DynaQuantCodec(bins=4, protect=0.01), special, None, None),
@@ -92,6 +96,8 @@ def _cases() -> list[tuple[str, Codec, torch.Tensor, Optional[torch.Tensor], Opt
         ("dynaquant_masked_delta/float32_log_domain",
          DynaQuantMaskedDeltaCodec(bins=8, domain="log", protect=0.005, stickiness=0.5), (moment * 1.05).contiguous(),
          log_full.encode(moment).reconstruction, first),
+        ("dynaquant_grouped/float32_by_octave",
+         DynaQuantGroupedCodec(bins=8, protect=0.005), follows, None, spread),
     ]
 
 
