@@ -262,14 +262,15 @@ def _moments_by_octave(seed: int = 0, shape: tuple[int, int] = (200, 160)) -> tu
 def test_octave_groups_sort_by_octave_and_hold_enough_elements() -> None:
     _, second = _moments_by_octave()
     values = second.reshape(-1).clone()
-    values[:3] = torch.tensor([float("inf"), float("nan"), -2.0 ** -30])
+    values[:4] = torch.tensor([float("inf"), float("nan"), -2.0 ** -30, 1e-40])  # 1e-40: subnormal
     order, sizes = octave_groups(values)
     assert sorted(order.tolist()) == list(range(values.numel())) and sum(sizes) == values.numel()
     assert len(sizes) > 5 and min(sizes) >= GROUP_MIN_ELEMENTS
     octave = torch.frexp(values[order]).exponent
-    zero, finite = values[order] == 0, torch.isfinite(values[order])
-    # Zeros first, non-finite values last, the octaves ascending in between; within one
-    # octave the positions keep their order (stable).
+    zero, finite = values[order].abs() < 2.0 ** -126, torch.isfinite(values[order])
+    # Zeros (and subnormals) first, non-finite values last, the octaves ascending in
+    # between (a negative value by its magnitude); within one octave the positions keep
+    # their order (stable).
     assert bool(zero[: int(zero.sum())].all()) and not bool(finite[-2:].any())
     middle = octave[int(zero.sum()) : -2]
     assert bool((middle[1:] >= middle[:-1]).all())

@@ -174,7 +174,9 @@ def _byte_symbols(symbols: torch.Tensor) -> Any:
     return symbols.to(device="cpu", dtype=torch.uint8).contiguous().numpy()
 
 
-def encode_id_symbols(symbols: torch.Tensor, alphabet: int) -> tuple[int, bytes, Optional[float]]:
+def encode_id_symbols(
+    symbols: torch.Tensor, alphabet: int, small_stream: int = _SMALL_STREAM
+) -> tuple[int, bytes, Optional[float]]:
     """``(coder, data, bits)``: ``symbols`` (in ``[0, alphabet)``) coded by the cheaper adequate
     coder, and their order-0 entropy in bits when it was computed (else None).
 
@@ -202,7 +204,7 @@ def encode_id_symbols(symbols: torch.Tensor, alphabet: int) -> tuple[int, bytes,
             if best is None or len(candidate[1]) < len(best[1]):
                 best = candidate
         assert best is not None
-        if count <= _SMALL_STREAM:
+        if count <= small_stream:
             coded = encode_symbols(symbols, alphabet)
             return (*best, bits) if len(best[1]) <= len(coded) else (ANS, coded, bits)
         if len(best[1]) <= (1 + HUFFMAN_SLACK) * bound + 64:
@@ -280,11 +282,14 @@ def encode_bucket_ids(
     stats: Optional[EntropyStats] = None,
     changed: Optional[torch.Tensor] = None,
     run_symbol: Optional[int] = None,
+    small_stream: int = _SMALL_STREAM,
 ) -> bytes:
     """Code ``ids`` (integers in ``[0, levels)``) against optional ``predicted`` ids of the same size.
 
     ``changed`` (optional) lists, ascending, the positions where ids and predictions differ,
     and ``run_symbol`` the most frequent id (without a prediction), when the caller knows them.
+    Streams of up to ``small_stream`` symbols are also ANS-coded and the smaller kept
+    (a caller coding many parts of one tensor may lower it: the ANS pass is the slower).
     """
     if not 2 <= levels <= MAX_LEVELS:
         raise ValueError(f"levels must be in [2, {MAX_LEVELS}], got {levels}")
@@ -310,7 +315,9 @@ def encode_bucket_ids(
         positions = changed if changed is not None else torch.nonzero(ids != predicted).reshape(-1)
         changed_count = positions.numel()
     with reusing_scratch():  # the candidates' large temporaries share buffers
-        return _encode_bucket_ids(ids, levels, predicted, stats, positions, changed_count, mode, run_symbol, count)
+        return _encode_bucket_ids(
+            ids, levels, predicted, stats, positions, changed_count, mode, run_symbol, count, small_stream
+        )
 
 
 def _encode_bucket_ids(
@@ -323,6 +330,7 @@ def _encode_bucket_ids(
     mode: int,
     run_symbol: int,
     count: int,
+    small_stream: int = _SMALL_STREAM,
 ) -> bytes:
     # positions: where ids differ from the prediction (or the run symbol); None: not yet found.
     zeros = 1.0 - changed_count / count if count else 1.0
@@ -351,7 +359,7 @@ def _encode_bucket_ids(
     best: Optional[tuple[int, torch.Tensor, bytes, int, int, bytes, Optional[float]]] = None
     for layout, symbols, extra, extra_count in candidates:
         alphabet = levels if layout == _DIRECT else token_alphabet(levels)
-        coder, coded, bits = encode_id_symbols(symbols, alphabet)
+        coder, coded, bits = encode_id_symbols(symbols, alphabet, small_stream)
         if best is None or len(coded) + len(extra) < len(best[5]) + len(best[2]):
             best = (layout, symbols, extra, extra_count, coder, coded, bits)
     assert best is not None  # one of the two ranges always applies

@@ -111,21 +111,26 @@ def _signed_keys(values: torch.Tensor) -> torch.Tensor:
 #: next ones up; a short last group joins the one before): a group's stream header is a
 #: few bytes, and an octave holding a handful of ids cannot pay for it.
 GROUP_MIN_ELEMENTS = 1024
-# Octave keys (uint8): 0 for zeros, 255 for non-finite values, and the binary exponent in
-# between, clamped (values beyond 2**103 or below 2**-149 share the outermost octave).
-_LOWEST_EXPONENT, _HIGHEST_EXPONENT = -149, 103
-_EXPONENT_OFFSET = 151
+# A group's ids are also ANS-coded (and the smaller coding kept) only up to this many: above
+# it the Huffman frames' fixed cost is small, and the ANS pass would double the group's time.
+_GROUP_SMALL_STREAM = 4096
 
 
 def octave_groups(context: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
     """``(order, sizes)``: the flat positions of ``context`` sorted (stably) by the octave of
     their value, and the sizes of the consecutive groups of that order that are coded
-    as one stream each. A pure function of the values (exact on any device), so encoder
-    and decoder derive the same groups from the same reconstruction."""
-    values = context.detach().reshape(-1).float()
-    octave = torch.frexp(values).exponent.clamp_(_LOWEST_EXPONENT, _HIGHEST_EXPONENT).add_(_EXPONENT_OFFSET)
-    octave = torch.where(values == 0, 0, octave)
-    octave = torch.where(torch.isfinite(values), octave, 255).to(torch.uint8)
+    as one stream each.
+
+    The octave is the biased exponent of the value as a float32 (its bits 23-30): 0 for
+    zeros and subnormals, 255 for infinities and NaN, one key per power of two between.
+    A pure function of the values, exact on any device, so encoder and decoder derive the
+    same groups from the same reconstruction.
+    """
+    values = context.detach().reshape(-1)
+    if values.dtype != torch.float32:
+        values = values.float()
+    bits = values.contiguous().view(torch.int32)
+    octave = torch.bitwise_right_shift(bits, 23).bitwise_and_(255).to(torch.uint8)
     counts = torch.bincount(octave, minlength=256).tolist()
     sizes: list[int] = []
     pending = 0
@@ -359,7 +364,11 @@ class DynaQuantCodec(PreparedEncoding, Codec):
                 raise ValueError(f"{self.codec_id}: octave groups code whole tensors only")
             order, sizes = groups
             parts = torch.split(ids[order.to(ids.device)].cpu(), sizes)
-            coded = [encode_bucket_ids(part, table.count, None, False, self._hints.get("stats")) for part in parts]
+            stats = self._hints.get("stats")
+            coded = [
+                encode_bucket_ids(part, table.count, None, False, stats, small_stream=_GROUP_SMALL_STREAM)
+                for part in parts
+            ]
             id_stream = b"".join(encode_varint(len(part)) + part for part in coded)
         else:
             rearrange = coded_predicted is not None and coded_ids.numel() <= REARRANGE_MAX_ELEMENTS
@@ -513,7 +522,11 @@ class DynaQuantDeltaCodec(DynaQuantCodec):
 
 
 class _Contextual:
-    """A codec that also decodes with another tensor of the same file: its context."""
+    """A codec that also decodes with another tensor of the same file: its context.
+
+    Subclasses say what the context tells ``_encode`` / ``_decode`` (:meth:`_context_options`)
+    and which reference they take (:meth:`_own_reference`).
+    """
 
     codec_id: str
     uses_context = True
@@ -548,15 +561,11 @@ class _Contextual:
             )
         return context.detach().reshape(-1)
 
-
-class _ContextZeros(_Contextual):
-    """What the masked codecs share: the zeros of the context tensor, in encode and decode."""
-
-    def _zeros(self, spec: TensorSpec, context: Optional[torch.Tensor]) -> torch.Tensor:
-        return self._context(spec, context).cpu() == 0
-
-    def _masked_reference(self, spec: TensorSpec, reference: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    def _context_options(self, context: torch.Tensor, device: torch.device) -> dict[str, Any]:
         raise NotImplementedError
+
+    def _own_reference(self, spec: TensorSpec, reference: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        return None
 
     def encode(
         self,
@@ -565,11 +574,12 @@ class _ContextZeros(_Contextual):
         context: Optional[torch.Tensor] = None,
     ) -> Encoded:
         spec = TensorSpec.of(tensor)
-        reference = self._masked_reference(spec, reference)
+        reference = self._own_reference(spec, reference)
         prepared = self._take_prepared(tensor, reference, context)  # type: ignore[attr-defined]
         if prepared is not None:
             return prepared
-        return self._encode(tensor, reference, self._zeros(spec, context).to(tensor.device))  # type: ignore[attr-defined]
+        options = self._context_options(self._context(spec, context), tensor.device)
+        return self._encode(tensor, reference, **options)  # type: ignore[attr-defined]
 
     def decode(
         self,
@@ -579,35 +589,35 @@ class _ContextZeros(_Contextual):
         reference: Optional[torch.Tensor] = None,
         context: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        return self._decode(streams, spec, self._masked_reference(spec, reference), self._zeros(spec, context))  # type: ignore[attr-defined]
+        options = self._context_options(self._context(spec, context), torch.device("cpu"))
+        return self._decode(streams, spec, self._own_reference(spec, reference), **options)  # type: ignore[attr-defined]
 
 
 @register_codec
-class DynaQuantMaskedCodec(_ContextZeros, DynaQuantCodec):
+class DynaQuantMaskedCodec(_Contextual, DynaQuantCodec):
     """:class:`DynaQuantCodec` for a tensor that is 0 wherever its *context* is 0.
 
-    The context is another tensor of the same checkpoint, stored before it (the writer and
-    the reader hand over its reconstruction as ``context=``): Adam's first moment, whose
-    pruned entries the second moment is pruned at too (ExCP's joint mask). Those entries
-    are stored as 0 and not coded at all: the mask costs no bytes. The stream is
-    :class:`DynaQuantCodec`'s, its id stream holding the context's non-zero entries only,
-    in order.
+    The context is another tensor of the same checkpoint (the writer and the reader hand
+    over its reconstruction as ``context=``): Adam's first moment, whose pruned entries
+    the second moment is pruned at too (ExCP's joint mask). Those entries are stored as 0
+    and not coded at all: the mask costs no bytes. The stream is :class:`DynaQuantCodec`'s,
+    its id stream holding the context's non-zero entries only, in order.
     """
 
     codec_id = "dynaquant_masked"
 
-    def _masked_reference(self, spec: TensorSpec, reference: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        return None
+    def _context_options(self, context: torch.Tensor, device: torch.device) -> dict[str, Any]:
+        return {"zeros": (context.cpu() == 0).to(device)}
 
 
 @register_codec
-class DynaQuantMaskedDeltaCodec(_ContextZeros, DynaQuantDeltaCodec):
+class DynaQuantMaskedDeltaCodec(DynaQuantMaskedCodec, DynaQuantDeltaCodec):
     """:class:`DynaQuantMaskedCodec` with the kept entries' ids coded against the reference's
     predicted ids at the same positions (as :class:`DynaQuantDeltaCodec` codes them)."""
 
     codec_id = "dynaquant_masked_delta"
 
-    def _masked_reference(self, spec: TensorSpec, reference: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    def _own_reference(self, spec: TensorSpec, reference: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         return self._check_reference(spec, reference)
 
 
@@ -626,23 +636,5 @@ class DynaQuantGroupedCodec(_Contextual, DynaQuantCodec):
 
     codec_id = "dynaquant_grouped"
 
-    def encode(
-        self,
-        tensor: torch.Tensor,
-        reference: Optional[torch.Tensor] = None,
-        context: Optional[torch.Tensor] = None,
-    ) -> Encoded:
-        prepared = self._take_prepared(tensor, None, context)
-        if prepared is not None:
-            return prepared
-        return self._encode(tensor, None, groups=octave_groups(self._context(TensorSpec.of(tensor), context)))
-
-    def decode(
-        self,
-        streams: Sequence[Any],
-        params: dict[str, Any],
-        spec: TensorSpec,
-        reference: Optional[torch.Tensor] = None,
-        context: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor:
-        return self._decode(streams, spec, None, groups=octave_groups(self._context(spec, context).cpu()))
+    def _context_options(self, context: torch.Tensor, device: torch.device) -> dict[str, Any]:
+        return {"groups": octave_groups(context.to(device))}
