@@ -284,8 +284,8 @@ def test_octave_groups_sort_by_octave_and_hold_enough_elements() -> None:
     assert torch.equal(few_order, torch.arange(10)) and few_sizes == [10]  # one short group
     assert octave_groups(torch.empty(0))[1] == []
     # The same values on another device or dtype give the same groups (exact exponents).
-    half_order, half_sizes = octave_groups(values.double())
-    assert torch.equal(half_order, order) and half_sizes == sizes
+    double_order, double_sizes = octave_groups(values.double())
+    assert torch.equal(double_order, order) and double_sizes == sizes
 
 
 def test_a_grouped_codec_stores_the_plain_values_in_fewer_bytes() -> None:

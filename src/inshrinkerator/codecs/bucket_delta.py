@@ -330,7 +330,7 @@ def _encode_bucket_ids(
     mode: int,
     run_symbol: int,
     count: int,
-    small_stream: int = _SMALL_STREAM,
+    small_stream: int,
 ) -> bytes:
     # positions: where ids differ from the prediction (or the run symbol); None: not yet found.
     zeros = 1.0 - changed_count / count if count else 1.0
