@@ -263,7 +263,8 @@ def test_octave_groups_sort_by_octave_and_hold_enough_elements() -> None:
     _, second = _moments_by_octave()
     values = second.reshape(-1).clone()
     values[:4] = torch.tensor([float("inf"), float("nan"), -2.0 ** -30, 1e-40])  # 1e-40: subnormal
-    order, sizes = octave_groups(values)
+    groups = octave_groups(values)
+    order, sizes = groups.order(), groups.sizes
     assert sorted(order.tolist()) == list(range(values.numel())) and sum(sizes) == values.numel()
     assert len(sizes) > 5 and min(sizes) >= GROUP_MIN_ELEMENTS
     octave = torch.frexp(values[order]).exponent
@@ -280,12 +281,30 @@ def test_octave_groups_sort_by_octave_and_hold_enough_elements() -> None:
     key = torch.where(zero, -1000, torch.where(finite, octave, 1000))
     for boundary in torch.cumsum(torch.tensor(sizes), 0)[:-1].tolist():
         assert int(key[boundary - 1]) != int(key[boundary])
-    few_order, few_sizes = octave_groups(torch.ones(10))
-    assert torch.equal(few_order, torch.arange(10)) and few_sizes == [10]  # one short group
-    assert octave_groups(torch.empty(0))[1] == []
+    few = octave_groups(torch.ones(10))
+    assert torch.equal(few.order(), torch.arange(10)) and few.sizes == [10]  # one short group
+    assert octave_groups(torch.empty(0)).sizes == []
     # The same values on another device or dtype give the same groups (exact exponents).
-    double_order, double_sizes = octave_groups(values.double())
-    assert torch.equal(double_order, order) and double_sizes == sizes
+    double = octave_groups(values.double())
+    assert torch.equal(double.order(), order) and double.sizes == sizes
+
+
+@pytest.mark.parametrize("dominant", [0.0, 2.0 ** -20])
+def test_octave_groups_where_one_octave_holds_most_entries_keep_the_stable_order(dominant: float) -> None:
+    # A sparse layer's second moment is mostly zeros; the dominant octave may also lie
+    # between others. Gathering and scattering match the full stable sort either way.
+    generator = torch.Generator().manual_seed(3)
+    values = torch.full((20_000,), dominant)
+    spots = torch.randperm(values.numel(), generator=generator)[:3_000]
+    values[spots] = torch.exp2(torch.randn(spots.numel(), generator=generator) * 6 - 20)
+    groups = octave_groups(values)
+    expected = torch.argsort(torch.frexp(values).exponent.masked_fill(values == 0, -1000), stable=True)
+    assert torch.equal(groups.order(), expected)
+    payload = torch.randint(0, 200, (values.numel(),), generator=generator, dtype=torch.int16)
+    gathered = groups.gather(payload)
+    assert torch.equal(gathered, payload[expected])
+    assert torch.equal(groups.scatter(gathered, torch.empty_like(payload)), payload)
+    assert sum(groups.sizes) == values.numel() and min(groups.sizes) >= GROUP_MIN_ELEMENTS
 
 
 def test_a_grouped_codec_stores_the_plain_values_in_fewer_bytes() -> None:

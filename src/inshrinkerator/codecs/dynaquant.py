@@ -45,6 +45,7 @@ from typing import Any, Optional
 import torch
 
 from ..errors import BrokenChainError, CorruptCheckpointError, FormatError
+from ._parallel import parallel_map_sized
 from .base import Codec, Encoded, TensorSpec
 from .bucket_delta import MAX_LEVELS, EntropyStats, decode_bucket_ids, encode_bucket_ids, id_dtype
 from .log_sketch import MAGNITUDE_KEYS, MANTISSA_BITS, SIGNED_KEYS, signed_keys
@@ -69,7 +70,7 @@ from .varint import decode_varint, encode_varint
 __all__ = [
     "DynaQuantCodec", "DynaQuantDeltaCodec", "DynaQuantGroupedCodec", "DynaQuantMaskedCodec",
     "DynaQuantMaskedDeltaCodec", "GROUP_MIN_ELEMENTS", "check_reference_fingerprint", "magnitude_thresholds",
-    "octave_groups", "predicted_ids",
+    "OctaveGroups", "octave_groups", "predicted_ids",
     "reference_fingerprint",
 ]
 
@@ -116,15 +117,67 @@ GROUP_MIN_ELEMENTS = 1024
 _GROUP_SMALL_STREAM = 4096
 
 
-def octave_groups(context: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-    """``(order, sizes)``: the flat positions of ``context`` sorted (stably) by the octave of
-    their value, and the sizes of the consecutive groups of that order that are coded
-    as one stream each.
+class OctaveGroups:
+    """The entries of a context sorted (stably) by the octave of their value, cut into the
+    groups whose ids are coded as one stream each (:func:`octave_groups`).
+
+    ``sizes`` are the groups' lengths, in order. :meth:`gather` takes a tensor's entries in
+    that order and :meth:`scatter` puts them back, without sorting all positions where one
+    octave holds most of them (a sparse layer's second moment is mostly zeros): that
+    octave's positions are one block of the order, in place, and only the others are
+    sorted.
+    """
+
+    def __init__(self, octave: torch.Tensor, counts: list[int], sizes: list[int]) -> None:
+        self.sizes = sizes
+        self._numel = octave.numel()
+        top = max(range(len(counts)), key=counts.__getitem__)
+        self._top: Optional[torch.Tensor] = None  # the mask of the dominant octave's entries
+        if 2 * counts[top] <= self._numel:
+            self._sorted = torch.argsort(octave, stable=True)  # every position, in order
+            self._below = 0
+        else:
+            self._top = octave == top
+            others = torch.nonzero(~self._top).reshape(-1)
+            self._sorted = others[torch.argsort(octave[others], stable=True)]  # the others, in order
+            self._below = sum(counts[:top])
+
+    def order(self) -> torch.Tensor:
+        """Every flat position, in group order."""
+        if self._top is None:
+            return self._sorted
+        top = torch.nonzero(self._top).reshape(-1)
+        return torch.cat([self._sorted[: self._below], top, self._sorted[self._below :]])
+
+    def gather(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` (flat, one per context entry) in group order."""
+        sorted_ = self._sorted.to(values.device)
+        if self._top is None:
+            return values[sorted_]
+        top = values[self._top.to(values.device)]
+        return torch.cat([values[sorted_[: self._below]], top, values[sorted_[self._below :]]])
+
+    def scatter(self, grouped: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`gather`: ``grouped`` written to the positions of ``out``."""
+        sorted_ = self._sorted.to(out.device)
+        if self._top is None:
+            out[sorted_] = grouped
+            return out
+        end = self._numel - (sorted_.numel() - self._below)
+        out[self._top.to(out.device)] = grouped[self._below : end]
+        out[sorted_] = torch.cat([grouped[: self._below], grouped[end:]])
+        return out
+
+
+def octave_groups(context: torch.Tensor) -> OctaveGroups:
+    """The groups of ``context``'s entries by the octave of their value, ascending, each
+    holding at least :data:`GROUP_MIN_ELEMENTS` (but a tensor with fewer entries: one group).
 
     The octave is the biased exponent of the value as a float32 (its bits 23-30): 0 for
     zeros and subnormals, 255 for infinities and NaN, one key per power of two between.
-    A pure function of the values, exact on any device, so encoder and decoder derive the
-    same groups from the same reconstruction.
+    Within a group the entries are ordered by octave, then by position. A pure function
+    of the values, exact on any device, so encoder and decoder derive the same groups
+    from the same reconstruction.
     """
     values = context.detach().reshape(-1)
     if values.dtype != torch.float32:
@@ -144,7 +197,7 @@ def octave_groups(context: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
             sizes[-1] += pending
         else:
             sizes.append(pending)
-    return torch.argsort(octave, stable=True), sizes
+    return OctaveGroups(octave, counts, sizes)
 
 
 def check_reference_fingerprint(codec_id: str, fingerprint: int, reference: torch.Tensor) -> None:
@@ -314,7 +367,7 @@ class DynaQuantCodec(PreparedEncoding, Codec):
         tensor: torch.Tensor,
         reference: Optional[torch.Tensor],
         zeros: Optional[torch.Tensor] = None,
-        groups: Optional[tuple[torch.Tensor, list[int]]] = None,
+        groups: Optional[OctaveGroups] = None,
     ) -> Encoded:
         # zeros: a flat mask of entries stored as 0 that the decoder knows (not coded);
         # groups: octave_groups of a context, whose groups' ids are coded one stream each.
@@ -362,13 +415,14 @@ class DynaQuantCodec(PreparedEncoding, Codec):
         if groups is not None:
             if zeros is not None or predicted is not None:
                 raise ValueError(f"{self.codec_id}: octave groups code whole tensors only")
-            order, sizes = groups
-            parts = torch.split(ids[order.to(ids.device)].cpu(), sizes)
+            sizes = groups.sizes
+            parts = torch.split(groups.gather(ids).cpu(), sizes)
             stats = self._hints.get("stats")
-            coded = [
-                encode_bucket_ids(part, table.count, None, False, stats, small_stream=_GROUP_SMALL_STREAM)
-                for part in parts
-            ]
+            # The groups are independent streams: a large tensor's are coded in parallel.
+            coded = parallel_map_sized(
+                lambda part: encode_bucket_ids(part, table.count, None, False, stats, small_stream=_GROUP_SMALL_STREAM),
+                parts, [size * flat.element_size() for size in sizes],
+            )
             id_stream = b"".join(encode_varint(len(part)) + part for part in coded)
         else:
             rearrange = coded_predicted is not None and coded_ids.numel() <= REARRANGE_MAX_ELEMENTS
@@ -402,7 +456,7 @@ class DynaQuantCodec(PreparedEncoding, Codec):
         spec: TensorSpec,
         reference: Optional[torch.Tensor],
         zeros: Optional[torch.Tensor] = None,
-        groups: Optional[tuple[torch.Tensor, list[int]]] = None,
+        groups: Optional[OctaveGroups] = None,
     ) -> torch.Tensor:
         if len(streams) != 1:
             raise CorruptCheckpointError(f"{self.codec_id}: expected 1 stream, got {len(streams)}")
@@ -440,7 +494,7 @@ class DynaQuantCodec(PreparedEncoding, Codec):
             protected = torch.empty(0, dtype=protected_dtype)
         predicted = None if reference is None else predicted_ids(table, reference)
         if groups is not None:
-            ids = self._decode_groups(view, protected_end, table.count, spec.numel, groups)
+            ids = self._decode_groups(view, protected_end, table.count, spec, groups)
         elif zeros is None:
             ids = decode_bucket_ids(view[protected_end:], table.count, spec.numel, predicted)
         else:
@@ -461,23 +515,26 @@ class DynaQuantCodec(PreparedEncoding, Codec):
         return reconstruct(ids, table, protected, spec.dtype, spec.shape, positions)
 
     def _decode_groups(
-        self, view: memoryview, start: int, levels: int, count: int, groups: tuple[torch.Tensor, list[int]]
+        self, view: memoryview, start: int, levels: int, spec: TensorSpec, groups: OctaveGroups
     ) -> torch.Tensor:
-        order, sizes = groups
-        parts = []
+        sizes = groups.sizes
+        streams = []
         cursor = start
-        for size in sizes:
+        for _ in sizes:
             length, cursor = decode_varint(view, cursor)
             if length > len(view) - cursor:
                 raise CorruptCheckpointError(f"{self.codec_id}: an octave group runs past the stream's end")
-            parts.append(decode_bucket_ids(view[cursor : cursor + length], levels, size))
+            streams.append(view[cursor : cursor + length])
             cursor += length
         if cursor != len(view):
             raise CorruptCheckpointError(f"{self.codec_id}: {len(view) - cursor} bytes follow the last octave group")
-        ids = torch.empty(count, dtype=parts[0].dtype if parts else id_dtype(levels))
-        if parts:
-            ids[order] = torch.cat(parts)
-        return ids
+        # Independent streams: a large tensor's groups are decoded in parallel.
+        parts = parallel_map_sized(
+            lambda group: decode_bucket_ids(streams[group], levels, sizes[group]),
+            range(len(sizes)), [size * spec.dtype.itemsize for size in sizes],
+        )
+        ids = torch.empty(spec.numel, dtype=parts[0].dtype if parts else id_dtype(levels))
+        return groups.scatter(torch.cat(parts), ids) if parts else ids
 
     def decode(
         self,
