@@ -154,7 +154,7 @@ class OctaveGroups:
         sorted_ = self._sorted.to(values.device)
         if self._top is None:
             return values[sorted_]
-        top = values[self._top.to(values.device)]
+        top = _select(values, self._top.to(values.device))
         return torch.cat([values[sorted_[: self._below]], top, values[sorted_[self._below :]]])
 
     def scatter(self, grouped: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -164,9 +164,17 @@ class OctaveGroups:
             out[sorted_] = grouped
             return out
         end = self._numel - (sorted_.numel() - self._below)
-        out[self._top.to(out.device)] = grouped[self._below : end]
+        out.masked_scatter_(self._top.to(out.device), grouped[self._below : end])
         out[sorted_] = torch.cat([grouped[: self._below], grouped[end:]])
         return out
+
+
+def _select(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``values[mask]`` for flat tensors; on the CPU through NumPy, whose boolean indexing
+    took 11 ms where torch's took 80-110 ms (11.7M entries, one thread)."""
+    if values.device.type == "cpu":
+        return torch.from_numpy(values.numpy()[mask.numpy()])
+    return values[mask]
 
 
 def octave_groups(context: torch.Tensor) -> OctaveGroups:
