@@ -55,6 +55,7 @@ import dataclasses
 import functools
 import math
 import time
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -374,35 +375,43 @@ class DynaQuant(ParamGroupPolicy):
             (i, codecs[i]) for i in range(len(leaves))
             if isinstance(codecs[i], PreparedEncoding) and not codecs[i].uses_context
         ]
-
-        def prepare(item: tuple[int, Codec]) -> Encoded:
-            index, codec = item
-            return codec.prepare(leaves[index].tensor, _reference_for(codec, leaves[index], references[index]))  # type: ignore[attr-defined]
-
-        encoded = dict(zip((i for i, _ in prepared), parallel_map_sized(
-            prepare, prepared, [_nbytes(leaves[i]) for i, _ in prepared]
-        )))
-        # Then the encodings that read another tensor's reconstruction: a second moment with
-        # its first moment's zeros, a first moment per octave of its second moment.
+        # A tensor planned to read another's reconstruction (a first moment per octave of its
+        # second moment) is encoded right after that one, by the same thread: no thread waits
+        # for a whole batch to finish before it can start.
         index_of = {format_key_path(leaf.path): i for i, leaf in enumerate(leaves)}
-        contextual = [(i, choice.joint.codec, choice.first) for i, choice in choices.items()]
-        contextual += [
-            (i, codec, index_of[codec.context_key]) for i, codec in enumerate(codecs)  # type: ignore[attr-defined]
-            if codec.uses_context and isinstance(codec, PreparedEncoding)
-        ]
+        readers: dict[int, list[int]] = defaultdict(list)
+        for i, codec in enumerate(codecs):
+            if codec.uses_context and isinstance(codec, PreparedEncoding):
+                readers[index_of[codec.context_key]].append(i)  # type: ignore[attr-defined]
 
-        def prepare_with_context(item: tuple[int, Codec, int]) -> Encoded:
-            index, codec, context = item
+        def prepare_with_context(item: tuple[int, Codec, int], context: Encoded) -> Encoded:
+            index, codec, _ = item
             reference = _reference_for(codec, leaves[index], references[index])
-            return codec.prepare(leaves[index].tensor, reference, encoded[context].reconstruction)  # type: ignore[attr-defined]
+            return codec.prepare(leaves[index].tensor, reference, context.reconstruction)  # type: ignore[attr-defined]
 
+        def prepare(item: tuple[int, Codec]) -> dict[int, Encoded]:
+            index, codec = item
+            done = {index: codec.prepare(leaves[index].tensor, _reference_for(codec, leaves[index], references[index]))}  # type: ignore[attr-defined]
+            for reader in readers.get(index, ()):
+                done[reader] = prepare_with_context((reader, codecs[reader], index), done[index])
+            return done
+
+        encoded: dict[int, Encoded] = {}
+        with_context: dict[int, Encoded] = {}
+        for (index, _), done in zip(prepared, parallel_map_sized(
+            prepare, prepared, [_nbytes(leaves[i]) + sum(_nbytes(leaves[r]) for r in readers.get(i, ())) for i, _ in prepared]
+        )):
+            encoded[index] = done.pop(index)
+            with_context.update(done)
+
+        # Then where the joint mask is tried: the second moment with its first moment's zeros.
         def prepare_all(items: list[tuple[int, Codec, int]]) -> dict[int, Encoded]:
             items = [item for item in items if item[2] in encoded]
             return dict(zip((i for i, _, _ in items), parallel_map_sized(
-                prepare_with_context, items, [_nbytes(leaves[i]) for i, _, _ in items]
+                lambda item: prepare_with_context(item, encoded[item[2]]), items, [_nbytes(leaves[i]) for i, _, _ in items]
             )))
 
-        with_context = prepare_all(contextual)
+        with_context.update(prepare_all([(i, choice.joint.codec, choice.first) for i, choice in choices.items()]))
         # Last, where the whole second moment may still win with the grouped first moment,
         # that grouping (the pair decides).
         regrouped = prepare_all([
