@@ -384,8 +384,7 @@ class DynaQuant(ParamGroupPolicy):
             if codec.uses_context and isinstance(codec, PreparedEncoding):
                 readers[index_of[codec.context_key]].append(i)  # type: ignore[attr-defined]
 
-        def prepare_with_context(item: tuple[int, Codec, int], context: Encoded) -> Encoded:
-            index, codec, _ = item
+        def prepare_with_context(index: int, codec: Codec, context: Encoded) -> Encoded:
             reference = _reference_for(codec, leaves[index], references[index])
             return codec.prepare(leaves[index].tensor, reference, context.reconstruction)  # type: ignore[attr-defined]
 
@@ -393,7 +392,7 @@ class DynaQuant(ParamGroupPolicy):
             index, codec = item
             done = {index: codec.prepare(leaves[index].tensor, _reference_for(codec, leaves[index], references[index]))}  # type: ignore[attr-defined]
             for reader in readers.get(index, ()):
-                done[reader] = prepare_with_context((reader, codecs[reader], index), done[index])
+                done[reader] = prepare_with_context(reader, codecs[reader], done[index])
             return done
 
         encoded: dict[int, Encoded] = {}
@@ -404,13 +403,15 @@ class DynaQuant(ParamGroupPolicy):
             encoded[index] = done.pop(index)
             with_context.update(done)
 
-        # Then where the joint mask is tried: the second moment with its first moment's zeros.
         def prepare_all(items: list[tuple[int, Codec, int]]) -> dict[int, Encoded]:
+            # (index, codec, the index of its context) for contexts encoded above
             items = [item for item in items if item[2] in encoded]
             return dict(zip((i for i, _, _ in items), parallel_map_sized(
-                lambda item: prepare_with_context(item, encoded[item[2]]), items, [_nbytes(leaves[i]) for i, _, _ in items]
+                lambda item: prepare_with_context(item[0], item[1], encoded[item[2]]), items,
+                [_nbytes(leaves[i]) for i, _, _ in items],
             )))
 
+        # Then where the joint mask is tried: the second moment with its first moment's zeros.
         with_context.update(prepare_all([(i, choice.joint.codec, choice.first) for i, choice in choices.items()]))
         # Last, where the whole second moment may still win with the grouped first moment,
         # that grouping (the pair decides).
