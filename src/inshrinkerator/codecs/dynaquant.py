@@ -245,9 +245,14 @@ def magnitude_thresholds(counts: torch.Tensor, prune: float, protect: float) -> 
 
 def kept_counts(counts: torch.Tensor, prune_below: int, protect_above: int) -> torch.Tensor:
     """The histogram without the buckets the thresholds prune or protect."""
-    magnitude = torch.arange(SIGNED_KEYS) & (MAGNITUDE_KEYS - 1)
-    keep = (magnitude >= prune_below) & (magnitude <= protect_above)
-    return torch.where(keep.to(counts.device), counts, 0)
+    # Two slices per sign half, not a mask over the whole key space: this runs for every
+    # tensor of a save, small ones included.
+    kept = counts.clone()
+    low, high = max(prune_below, 0), max(protect_above + 1, 0)
+    for half in (kept[:MAGNITUDE_KEYS], kept[MAGNITUDE_KEYS:]):
+        half[:low] = 0
+        half[high:] = 0
+    return kept
 
 
 def _fraction(name: str, value: Any) -> float:

@@ -301,7 +301,10 @@ class ConfigurationCube:
                 counts = [t.sensitivity_counts for t in members if t.sensitivity_counts is not None]
             else:
                 counts = [t.magnitude_counts for t in members]
-            merged = torch.stack(counts).sum(0)
+            # Summed in place: stacking first would copy every tensor's histogram at once.
+            merged = counts[0].clone()
+            for more in counts[1:]:
+                merged += more
             self._thresholds[key] = _fraction_keys(merged, self.axes[2])
         return self._thresholds[key][fraction]
 
