@@ -53,6 +53,7 @@ from typing import Any, Optional
 import torch
 
 from ..errors import CorruptCheckpointError, FormatError
+from ._numpy_paths import stable_argsort
 from .entropy import decode_symbols, encode_symbols, expand_frame, huffman_frame
 from .symbol_tuples import TUPLE_SIZES, decode_symbol_tuples, encode_symbol_tuples, tuple_header_bytes
 from .scratch import reusing_scratch
@@ -159,7 +160,7 @@ class EntropyStats:
 
 def _order(predicted: torch.Tensor, levels: int) -> torch.Tensor:
     # The stable grouping by predicted bucket: order[k] is the k-th element.
-    return torch.argsort(predicted.reshape(-1).to(id_dtype(levels)), stable=True)
+    return stable_argsort(predicted.reshape(-1).to(id_dtype(levels)))
 
 
 def _rank(predicted: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
