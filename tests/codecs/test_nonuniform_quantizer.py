@@ -110,6 +110,28 @@ def test_a_batch_of_fits_gives_each_histogram_what_it_gives_alone() -> None:
 
 
 @pytest.mark.parametrize("domain", [LINEAR, LOG])
+def test_fit_thresholds_are_the_fit_of_the_histogram_without_those_buckets(domain: str) -> None:
+    from inshrinkerator.codecs.log_sketch import MAGNITUDE_KEYS
+
+    values = _weights(30_000, 7)
+    if domain == LOG:
+        values = values.square()
+    values[:50] = float("inf")
+    counts = torch.bincount(signed_keys(values), minlength=SIGNED_KEYS)
+    occupied = torch.nonzero(counts[:MAGNITUDE_KEYS] + counts[MAGNITUDE_KEYS:]).reshape(-1)
+    low, high = int(occupied[len(occupied) // 5]), int(occupied[-len(occupied) // 6])
+    for prune_below, protect_above in [(low, high), (0, high), (low, 10**6), (-3, -1), (high, low)]:
+        emptied = counts.clone()
+        for half in (emptied[:MAGNITUDE_KEYS], emptied[MAGNITUDE_KEYS:]):
+            half[: max(prune_below, 0)] = 0
+            half[max(protect_above + 1, 0) :] = 0
+        expected = fit_centroids(emptied, 6, 0.5, domain)
+        got = fit_centroids(counts, 6, 0.5, domain, None, prune_below, protect_above)
+        assert torch.equal(got, expected), (prune_below, protect_above)
+        assert (got.numel() > 0) == (0 <= prune_below <= protect_above), (prune_below, protect_above)
+
+
+@pytest.mark.parametrize("domain", [LINEAR, LOG])
 def test_the_ids_of_a_few_keys_are_those_of_the_whole_key_table(domain: str) -> None:
     # A small tensor's ids are found key by key, a large one's from the table of all keys:
     # on every signed key (finite, zero, subnormal, infinite, NaN), for tables of either

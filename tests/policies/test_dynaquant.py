@@ -461,9 +461,8 @@ def test_first_moments_are_never_rounded_to_more_than_twice_their_size(tmp_path,
 def test_first_moment_levels_are_the_fit_of_the_folded_histogram(bins) -> None:
     # The levels are fitted on the occupied buckets alone; they must be what fitting the
     # whole folded (all-positive) key space gives: a fit, then refits without the zero cell.
-    from inshrinkerator.codecs.dynaquant import kept_counts
     from inshrinkerator.codecs.log_sketch import MAGNITUDE_KEYS, SIGNED_KEYS, magnitude_keys, signed_keys
-    from inshrinkerator.codecs.nonuniform_quantizer import FIRST_NON_FINITE_KEY, LINEAR, fit_centroids
+    from inshrinkerator.codecs.nonuniform_quantizer import LINEAR, fit_centroids
     from inshrinkerator.policies.dynaquant import _zero_level_hints_for
 
     moment = torch.randn(20_000, generator=torch.Generator().manual_seed(bins)) * 1e-4
@@ -476,7 +475,8 @@ def test_first_moment_levels_are_the_fit_of_the_folded_histogram(bins) -> None:
     levels = fit_centroids(folded, half, 1.0)
     for _ in range(2):
         prune_below = max(int(magnitude_keys(torch.tensor([float(levels.min()) / 2]))[0]), 1)
-        kept = kept_counts(folded, prune_below, FIRST_NON_FINITE_KEY - 1)
+        kept = folded.clone()
+        kept[:prune_below] = 0  # the pruned buckets emptied: the whole key space, refitted
         levels = fit_centroids(kept, half, 1.0, LINEAR, levels if levels.numel() == half else None)
     assert torch.equal(hints["centroids"], torch.cat([-levels.flip(0), levels]))
     assert hints["prune_below"] == max(int(magnitude_keys(torch.tensor([float(levels[0]) / 2]))[0]), 1)

@@ -236,18 +236,6 @@ def magnitude_thresholds(counts: torch.Tensor, prune: float, protect: float) -> 
     return prune_below, protect_above
 
 
-def kept_counts(counts: torch.Tensor, prune_below: int, protect_above: int) -> torch.Tensor:
-    """The histogram without the buckets the thresholds prune or protect."""
-    # Two slices per sign half, not a mask over the whole key space: this runs for every
-    # tensor of a save, small ones included.
-    kept = counts.clone()
-    low, high = max(prune_below, 0), max(protect_above + 1, 0)
-    for half in (kept[:MAGNITUDE_KEYS], kept[MAGNITUDE_KEYS:]):
-        half[:low] = 0
-        half[high:] = 0
-    return kept
-
-
 def _fraction(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
         raise ValueError(f"{name} must be a fraction in [0, 1), got {value!r}")
@@ -355,8 +343,7 @@ class DynaQuantCodec(PreparedEncoding, Codec):
         at once (``fit_centroids_batch``) hands the results back as ``centroids`` hints."""
         counts = counts.cpu()
         prune_below, protect_above = self._thresholds(counts)
-        kept = kept_counts(counts, prune_below, protect_above)
-        return CentroidFit(kept, self.bins, self.sigma, self.domain, self._hints.get("init"))
+        return CentroidFit(counts, self.bins, self.sigma, self.domain, self._hints.get("init"), prune_below, protect_above)
 
     def _table(self, keys: torch.Tensor) -> LevelTable:
         counts = self._hints.get("counts")

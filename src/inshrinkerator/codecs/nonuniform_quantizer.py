@@ -204,6 +204,8 @@ class CentroidFit(NamedTuple):
     sigma: float = 0.2
     domain: str = LINEAR
     init: Optional[torch.Tensor] = None
+    prune_below: int = 1
+    protect_above: int = FIRST_NON_FINITE_KEY - 1
 
 
 def fit_centroids(
@@ -212,6 +214,8 @@ def fit_centroids(
     sigma: float = 0.2,
     domain: str = LINEAR,
     init: Optional[torch.Tensor] = None,
+    prune_below: int = 1,
+    protect_above: int = FIRST_NON_FINITE_KEY - 1,
 ) -> torch.Tensor:
     """At most ``bins`` sorted non-zero float32 centroids fitted to a signed-key histogram.
 
@@ -219,9 +223,11 @@ def fit_centroids(
     :func:`histogram_sample_weights`; log domain: k-means on log2 of the positive bucket
     centres, each weighted ``sigma * count share + (1 - sigma) / buckets`` so that levels
     reach the sparse tails, with the top level raised to cover the largest bucket.
-    ``init`` (``bins`` values) warm-starts the clustering.
+    ``init`` (``bins`` values) warm-starts the clustering. Only the buckets whose
+    magnitude key lies in ``[prune_below, protect_above]`` take part (the ones a table
+    with these thresholds gives a level), as if the others were empty.
     """
-    return fit_centroids_batch([CentroidFit(counts, bins, sigma, domain, init)])[0]
+    return fit_centroids_batch([CentroidFit(counts, bins, sigma, domain, init, prune_below, protect_above)])[0]
 
 
 def fit_centroids_batch(fits: Sequence[CentroidFit]) -> list[torch.Tensor]:
@@ -230,12 +236,14 @@ def fit_centroids_batch(fits: Sequence[CentroidFit]) -> list[torch.Tensor]:
     results = [torch.empty(0, dtype=torch.float32) for _ in fits]
     problems: list[KMeansProblem] = []
     fitted: list[tuple[int, Optional[torch.Tensor]]] = []  # (fit, its log domain's largest centre)
-    for index, (counts, bins, sigma, domain, init) in enumerate(fits):
+    for index, (counts, bins, sigma, domain, init, prune_below, protect_above) in enumerate(fits):
         if domain not in (LINEAR, LOG):
             raise ValueError(f"domain must be one of {DOMAINS}, got {domain!r}")
+        # The thresholds apply to the occupied buckets only: no pass over the key space.
         occupied, centres, counts = LogHistogram(counts.cpu(), signed=True).occupied()
-        nonzero = (occupied != 0) & (occupied != MAGNITUDE_KEYS) & torch.isfinite(centres)
-        nonzero &= (occupied & (MAGNITUDE_KEYS - 1)) < FIRST_NON_FINITE_KEY
+        magnitude = occupied & (MAGNITUDE_KEYS - 1)
+        nonzero = (magnitude >= max(prune_below, 1)) & (magnitude <= min(protect_above, FIRST_NON_FINITE_KEY - 1))
+        nonzero &= torch.isfinite(centres)
         if domain == LOG:
             nonzero &= centres > 0
         centres, counts = centres[nonzero], counts[nonzero]
