@@ -243,9 +243,10 @@ class DynaQuant(ParamGroupPolicy):
         residual_bins: the levels tried, most first, for a weight that moved less than its
             own levels' spacing and is stored as its change since the reference: it takes
             the fewest whose error stays within its budget (the first when none does). The
-            default, 16 alone, is ~2-8x inside that budget; ``(16, 12, 8, 6, 4)`` raised
-            MiniLM's full-state ratio from 16.2x to 18.8x and its mean degradation from
-            +0.40 % to +0.54 % (8 seeds).
+            default, 12 alone, leaves MiniLM's changes ~0.02-0.08 of their squared size,
+            inside that budget (0.1); on MiniLM it stores 5.8 % fewer bytes than 16 levels
+            at +0.06 points of mean degradation over 8 paired seeds, where 8 levels cost
+            +0.26 points (docs/dynaquant.md, *Residual levels*).
         min_numel: smaller tensors are stored losslessly (moments: ``moment_min_numel``).
         moment_min_numel: smaller first and second moments are stored losslessly. Those
             of weights under ``min_numel`` (biases, norm layers) get twice the levels and
@@ -274,7 +275,7 @@ class DynaQuant(ParamGroupPolicy):
     second_moment: str = "quantized"
     joint_moment_mask: bool = True
     first_moment_octaves: bool = True
-    residual_bins: tuple[int, ...] = (16,)
+    residual_bins: tuple[int, ...] = (12,)
     min_numel: int = 1024
     moment_min_numel: int = 64
     name: str = "dynaquant"
@@ -496,9 +497,9 @@ class DynaQuant(ParamGroupPolicy):
         (relative to the weight, as the search judges it); the first (most) when none does.
 
         Such a weight moved less than its own levels' spacing, and its budget is a share
-        of that movement (``movement_share``). The default grid is one entry, 16 levels,
-        which keeps MiniLM's changes 2-8x inside that budget (0.012-0.05 of their squared
-        movement): searching fewer levels stored 14 % fewer bytes there but cost accuracy
+        of that movement (``movement_share``). The default grid is one entry, 12 levels,
+        which keeps MiniLM's changes inside that budget (~0.02-0.08 of their squared
+        movement): searching fewer levels stored more bytes away there but cost accuracy
         (docs/dynaquant.md), so it is an option.
         """
         if len(self.residual_bins) == 1:  # nothing to choose
