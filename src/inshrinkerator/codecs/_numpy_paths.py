@@ -26,9 +26,9 @@ def select(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def stable_argsort(keys: torch.Tensor) -> torch.Tensor:
     """``torch.argsort(keys, stable=True)`` of a flat tensor (int64 positions).
 
-    Keys of 8 or 16 bits on the CPU go through NumPy's radix sort: 1.1-2x faster from 64K
-    keys up (4M: 13 ms against 24-32 ms) and up to 15x at 8K, one thread. Wider keys take
-    torch's sort, which is the faster one for them.
+    Keys of 8 or 16 bits on the CPU go through NumPy's radix sort: 1.2-3x faster from 64K
+    keys up (4M: 11-13 ms against 24-32 ms) and ~16x at 8K, one thread. Wider keys take
+    torch's sort, which is the faster one for them (4M int32 keys: 35 ms against 222 ms).
     """
     if keys.device.type == "cpu" and keys.dtype in _RADIX_DTYPES:
         return torch.from_numpy(np.argsort(keys.numpy(), kind="stable"))
