@@ -244,7 +244,7 @@ class DynaQuant(ParamGroupPolicy):
             own levels' spacing and is stored as its change since the reference: it takes
             the fewest whose error stays within its budget (the first when none does). The
             default, 12 alone, leaves MiniLM's changes ~0.02-0.08 of their squared size,
-            inside that budget (0.1); on MiniLM it stores 5.8 % fewer bytes than 16 levels
+            inside that budget (0.1); on MiniLM it stores 5.5 % fewer bytes than 16 levels
             at +0.06 points of mean degradation over 8 paired seeds, where 8 levels cost
             +0.26 points (docs/dynaquant.md, *Residual levels*).
         min_numel: smaller tensors are stored losslessly (moments: ``moment_min_numel``).
