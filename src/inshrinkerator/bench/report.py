@@ -137,8 +137,8 @@ def _own_references(results: dict[str, Any]) -> list[str]:
     ]
     return [
         "- Runs re-measured in a later session carry the uninterrupted run of the same seed from "
-        "that session, and their Deg % is taken against it: the float kernels of another CPU end "
-        "some uninterrupted runs elsewhere, so the Workloads table's metrics are not theirs. "
+        "that session, and their Deg % is taken against it: on another machine the same code "
+        "ends some uninterrupted runs elsewhere, so the Workloads table's metrics are not theirs. "
         f"These are: {'; '.join(parts)}.",
     ]
 

@@ -499,7 +499,7 @@ class DynaQuant(ParamGroupPolicy):
         Such a weight moved less than its own levels' spacing, and its budget is a share
         of that movement (``movement_share``). The default grid is one entry, 12 levels,
         which keeps MiniLM's changes inside that budget (~0.02-0.08 of their squared
-        movement): searching fewer levels stored more bytes away there but cost accuracy
+        movement): a search for fewer levels per tensor saved more bytes there but cost accuracy
         (docs/dynaquant.md), so it is an option.
         """
         if len(self.residual_bins) == 1:  # nothing to choose
