@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -123,17 +124,15 @@ def _own_references(results: dict[str, Any]) -> list[str]:
     if not own:
         return []
     by_seed = {(r["workload"], r["seed"]): r["evaluation"]["value"] for r in results["references"]}
-    groups: dict[tuple[str, str], list[int]] = {}
-    moved: dict[tuple[str, str], int] = {}
+    seeds: Counter[tuple[str, str]] = Counter()
+    moved: Counter[tuple[str, str]] = Counter()
     for run in own:
         key = (run["workload"], run.get("label", run["policy"]))
-        groups.setdefault(key, []).append(run["seed"])
-        listed = by_seed.get((run["workload"], run["seed"]))
-        moved[key] = moved.get(key, 0) + (listed != run["reference"]["evaluation"]["value"])
+        seeds[key] += 1
+        moved[key] += by_seed.get((run["workload"], run["seed"])) != run["reference"]["evaluation"]["value"]
     parts = [
-        f"{policy} on {workload} ({len(seeds)} seeds; its uninterrupted run ended elsewhere on "
-        f"{moved[(workload, policy)]})"
-        for (workload, policy), seeds in groups.items()
+        f"{policy} on {workload} ({count} seeds; its uninterrupted run ended elsewhere on {moved[(workload, policy)]})"
+        for (workload, policy), count in seeds.items()
     ]
     return [
         "- Runs re-measured in a later session carry the uninterrupted run of the same seed from "

@@ -242,11 +242,13 @@ def fit_centroids_batch(fits: Sequence[CentroidFit]) -> list[torch.Tensor]:
         # The thresholds apply to the occupied buckets only: no pass over the key space.
         occupied, centres, counts = LogHistogram(counts.cpu(), signed=True).occupied()
         magnitude = occupied & (MAGNITUDE_KEYS - 1)
-        nonzero = (magnitude >= max(prune_below, 1)) & (magnitude <= min(protect_above, FIRST_NON_FINITE_KEY - 1))
-        nonzero &= torch.isfinite(centres)
+        # Zero (magnitude key 0) and non-finite buckets never take part; nor, in the log
+        # domain, negative ones.
+        used = (magnitude >= max(prune_below, 1)) & (magnitude <= min(protect_above, FIRST_NON_FINITE_KEY - 1))
+        used &= torch.isfinite(centres)
         if domain == LOG:
-            nonzero &= centres > 0
-        centres, counts = centres[nonzero], counts[nonzero]
+            used &= centres > 0
+        centres, counts = centres[used], counts[used]
         if centres.numel() == 0:
             continue
         if domain == LOG:
