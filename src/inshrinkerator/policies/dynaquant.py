@@ -275,7 +275,7 @@ class DynaQuant(ParamGroupPolicy):
     second_moment: str = "quantized"
     joint_moment_mask: bool = True
     first_moment_octaves: bool = True
-    residual_bins: tuple[int, ...] = (12,)
+    residual_bins: tuple[int, ...] = (10,)
     min_numel: int = 1024
     moment_min_numel: int = 64
     name: str = "dynaquant"
