@@ -243,10 +243,10 @@ class DynaQuant(ParamGroupPolicy):
         residual_bins: the levels tried, most first, for a weight that moved less than its
             own levels' spacing and is stored as its change since the reference: it takes
             the fewest whose error stays within its budget (the first when none does). The
-            default, 12 alone, leaves MiniLM's changes ~0.02-0.08 of their squared size,
-            inside that budget (0.1); on MiniLM it stores 5.5 % fewer bytes than 16 levels
-            at +0.06 points of mean degradation over 8 paired seeds, where 8 levels cost
-            +0.26 points (docs/dynaquant.md, *Residual levels*).
+            default, 10 alone: on MiniLM's 8 yardstick seeds it ends every run where 12
+            levels do, for ~3 % fewer bytes (12 stored 5.5 % fewer than 16 at +0.06 points
+            of mean degradation; 8 levels cost +0.26 points; docs/dynaquant.md,
+            *Residual levels*).
         min_numel: smaller tensors are stored losslessly (moments: ``moment_min_numel``).
         moment_min_numel: smaller first and second moments are stored losslessly. Those
             of weights under ``min_numel`` (biases, norm layers) get twice the levels and
@@ -497,9 +497,9 @@ class DynaQuant(ParamGroupPolicy):
         (relative to the weight, as the search judges it); the first (most) when none does.
 
         Such a weight moved less than its own levels' spacing, and its budget is a share
-        of that movement (``movement_share``). The default grid is one entry, 12 levels,
-        which keeps MiniLM's changes inside that budget (~0.02-0.08 of their squared
-        movement): a search for fewer levels per tensor saved more bytes there but cost accuracy
+        of that movement (``movement_share``). The default grid is one entry, 10 levels,
+        which keeps MiniLM's changes near that budget (12 levels left ~0.02-0.08 of their
+        squared movement): a search for fewer levels per tensor saved more bytes there but cost accuracy
         (docs/dynaquant.md), so it is an option.
         """
         if len(self.residual_bins) == 1:  # nothing to choose
