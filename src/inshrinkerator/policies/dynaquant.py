@@ -497,10 +497,10 @@ class DynaQuant(ParamGroupPolicy):
         (relative to the weight, as the search judges it); the first (most) when none does.
 
         Such a weight moved less than its own levels' spacing, and its budget is a share
-        of that movement (``movement_share``). The default grid is one entry, 10 levels,
-        which keeps MiniLM's changes near that budget (12 levels left ~0.02-0.08 of their
-        squared movement): a search for fewer levels per tensor saved more bytes there but cost accuracy
-        (docs/dynaquant.md), so it is an option.
+        of that movement (``movement_share``, 0.1). The default grid is one entry, 10 levels
+        (on MiniLM 12 levels left ~0.02-0.08 of a change's squared size as error, 8 up to
+        ~0.14): a search for fewer levels per tensor saved more bytes there but cost
+        accuracy (docs/dynaquant.md), so it is an option.
         """
         if len(self.residual_bins) == 1:  # nothing to choose
             bins = self.residual_bins[0]
