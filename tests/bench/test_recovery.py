@@ -52,22 +52,6 @@ def test_rows_spread_over_seeds(tiny: str, tmp_path) -> None:
     assert len(row["per_checkpoint_ratio"]) == 11
 
 
-def test_a_run_carrying_its_own_reference_is_judged_against_it(tiny: str, tmp_path) -> None:
-    reference = run_reference(tiny, 0, True).to_dict()
-    run = run_with_failures(tiny, 0, True, "lossless", tmp_path / "run").to_dict()
-    value = reference["evaluation"]["value"]
-    higher = reference["evaluation"]["higher_is_better"]
-    # The same seed's uninterrupted run as another machine ended it, 10 % better.
-    elsewhere = {"evaluation": {**reference["evaluation"], "value": value * (1.1 if higher else 0.9)}}
-    (plain,) = aggregate_rows([reference], [run])
-    (judged,) = aggregate_rows([reference], [{**run, "reference": elsewhere}])
-    assert plain["deg_pct"]["mean"] == 0.0
-    assert judged["deg_pct"]["mean"] == pytest.approx(100 * (1 - 1 / 1.1) if higher else 100 * (1 / 0.9 - 1))
-    # A run whose seed has no reference in the list still counts when it carries one.
-    (alone,) = aggregate_rows([], [{**run, "reference": reference}])
-    assert alone["seeds"] == 1 and alone["deg_pct"]["mean"] == 0.0
-
-
 def test_every_simulated_process_gets_a_policy_without_memory(tiny: str, tmp_path) -> None:
     """A crash loses the policy's memory too: each process starts from the options alone."""
     from inshrinkerator.bench.recovery import fresh_policy

@@ -26,24 +26,6 @@ def test_bench_writes_json_report_and_plots(tiny: str, tmp_path) -> None:
     for name in PLOT_FILES.values():
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert results["rows"] == saved["rows"]
-    assert "Runs re-measured" not in report
-
-
-def test_the_report_names_runs_judged_against_their_own_reference() -> None:
-    from inshrinkerator.bench.report import _own_references
-
-    evaluation = lambda v: {"metric": "loss", "value": v, "higher_is_better": False}  # noqa: E731
-    results = {
-        "references": [{"workload": "w", "seed": s, "evaluation": evaluation(1.0)} for s in (0, 1)],
-        "runs": [
-            {"workload": "w", "policy": "p", "seed": 0, "reference": {"evaluation": evaluation(1.1)}},
-            {"workload": "w", "policy": "p", "seed": 1, "reference": {"evaluation": evaluation(1.0)}},
-            {"workload": "w", "policy": "q", "seed": 0},
-        ],
-    }
-    (line,) = _own_references(results)
-    assert "p on w (2 seeds; its uninterrupted run ended elsewhere on 1)" in line and "q on" not in line
-    assert _own_references({**results, "runs": results["runs"][2:]}) == []
 
 
 def _row(workload: str, policy: str, weights: float, deg: float = 0.0) -> dict:

@@ -60,12 +60,7 @@ def _mean_classes(records: list[dict[str, int]]) -> dict[str, float]:
 
 def aggregate_rows(references: list[dict[str, Any]], runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Rows ``{workload, policy, kind, seeds, <metric>: spread, ...}``: lossless reference rows
-    first, then policies, in the order they were run.
-
-    A run is judged against the uninterrupted run of its seed in ``references``, or against
-    its own ``reference`` (``{"evaluation": ...}``) when it carries one: a run measured in
-    another session, on a machine where the same seed's uninterrupted run ends elsewhere.
-    """
+    first, then policies, in the order they were run."""
     by_seed = {(r["workload"], r["seed"]): r for r in references}
     grouped: dict[tuple[str, str, str], list[tuple[dict[str, float], dict[str, Any]]]] = defaultdict(list)
     for reference in references:
@@ -82,7 +77,7 @@ def aggregate_rows(references: list[dict[str, Any]], runs: list[dict[str, Any]])
                 (lossless_metrics(totals, reference), extra)
             )
     for run in runs:
-        reference = run.get("reference") or by_seed.get((run["workload"], run["seed"]))
+        reference = by_seed.get((run["workload"], run["seed"]))
         if reference is None:
             continue
         extra = {

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import sys
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -117,31 +116,6 @@ def _seeds(seeds: Any) -> str:
     return str(seeds)
 
 
-def _own_references(results: dict[str, Any]) -> list[str]:
-    """A note on the runs judged against an uninterrupted run of their own (re-measured in a
-    session whose machine ends the same seeds' uninterrupted runs elsewhere)."""
-    own = [run for run in results["runs"] if run.get("reference")]
-    if not own:
-        return []
-    by_seed = {(r["workload"], r["seed"]): r["evaluation"]["value"] for r in results["references"]}
-    seeds: Counter[tuple[str, str]] = Counter()
-    moved: Counter[tuple[str, str]] = Counter()
-    for run in own:
-        key = (run["workload"], run.get("label", run["policy"]))
-        seeds[key] += 1
-        moved[key] += by_seed.get((run["workload"], run["seed"])) != run["reference"]["evaluation"]["value"]
-    parts = [
-        f"{policy} on {workload} ({count} seeds; its uninterrupted run ended elsewhere on {moved[(workload, policy)]})"
-        for (workload, policy), count in seeds.items()
-    ]
-    return [
-        "- Runs re-measured in a later session carry the uninterrupted run of the same seed from "
-        "that session, and their Deg % is taken against it: on another machine the same code "
-        "ends some uninterrupted runs elsewhere, so the Workloads table's metrics are not theirs. "
-        f"These are: {'; '.join(parts)}.",
-    ]
-
-
 def render_report(results: dict[str, Any]) -> str:
     """The markdown text of the report."""
     meta = results["meta"]
@@ -183,7 +157,6 @@ def render_report(results: dict[str, Any]) -> str:
         "`torch.save` bytes; `zipnn` on each tensor's raw bytes. Each is checked to restore bit for bit.",
         "- Timings come from a shared 2-core machine where other jobs ran at the same time: treat "
         "Ovh % and MB/s as indications, ratios and degradations as exact.",
-        *_own_references(results),
         "",
         "## Workloads",
         "",
