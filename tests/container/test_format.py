@@ -19,8 +19,10 @@ from inshrinkerator.container.format import (
     FORMAT_VERSION,
     MAGIC,
     MAX_EXPANSION,
+    MAX_CONFIG_DEPTH,
     MAX_HEADER_BYTES,
     READABLE_VERSIONS,
+    _nests_deeper,
     aligned,
     check_expansion,
     data_start,
@@ -99,6 +101,28 @@ def test_max_expansion_covers_the_zstd_ceiling_with_margin() -> None:
     zeros = bytes(16 << 20)
     best = max(len(zeros) / len(zstandard.ZstdCompressor(level=level).compress(zeros)) for level in (1, 3, 19))
     assert 20_000 < best < MAX_EXPANSION / 1.5
+
+
+def _depth(value: Any) -> int:
+    # How many containers deep a parsed JSON value is (a scalar: 0).
+    if isinstance(value, dict):
+        return 1 + max(map(_depth, value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max(map(_depth, value), default=0)
+    return 0
+
+
+@pytest.mark.parametrize("depth", [1, 2, MAX_CONFIG_DEPTH - 1, MAX_CONFIG_DEPTH, MAX_CONFIG_DEPTH + 1, 40])
+def test_config_depth_is_judged_at_the_limit(depth: int) -> None:
+    """A codec config or params may nest exactly MAX_CONFIG_DEPTH containers deep, not one more,
+    whichever branch goes deepest and whatever scalars lie beside it."""
+    deep: Any = {"id": "raw"}
+    for level in range(depth - 1):
+        deep = {"levels": list(range(50)), "inner": deep} if level % 2 else [1.5, deep, "x", {}]
+    config = {"id": "outer", "wide": [[0] * 3, {"a": None}], "deep": deep} if depth > 2 else deep
+    assert _depth(config) >= depth
+    assert _nests_deeper(config, MAX_CONFIG_DEPTH) == (_depth(config) > MAX_CONFIG_DEPTH)
+    assert not _nests_deeper(config, _depth(config)) and _nests_deeper(config, _depth(config) - 1)
 
 
 def test_expansion_limit_comes_from_the_codec_class(constant_codecs: None) -> None:

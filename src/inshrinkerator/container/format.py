@@ -235,15 +235,18 @@ def _is_uint(value: Any) -> bool:
     return type(value) is int and value >= 0
 
 
-def _json_depth(value: Any) -> int:
-    depth, stack = 0, [(value, 1)]
-    while stack:
-        node, level = stack.pop()
-        if isinstance(node, (dict, list)):
-            depth = max(depth, level)
-            children = node.values() if isinstance(node, dict) else node
-            stack.extend((child, level + 1) for child in children)
-    return depth
+def _nests_deeper(value: Any, limit: int) -> bool:
+    """Whether a parsed JSON value holds containers more than ``limit`` levels deep."""
+    level, frontier = 1, [value] if type(value) in (dict, list) else []
+    while frontier:
+        if level > limit:
+            return True
+        inner: list[Any] = []
+        for node in frontier:
+            children = node.values() if type(node) is dict else node
+            inner.extend(child for child in children if type(child) is dict or type(child) is list)
+        frontier, level = inner, level + 1
+    return False
 
 
 def expansion_limit(codec_config: dict[str, Any]) -> int:
@@ -326,7 +329,7 @@ def _parse_record(item: Any, cursor: int, data_bytes: int, alignment: int, where
     codec, params, reference = item.get("codec"), item.get("params", {}), item.get("reference")
     if type(codec) is not dict or type(codec.get("id")) is not str or type(params) is not dict:
         raise FormatError(f"{where}: codec must be an object with a string 'id' and params an object")
-    if _json_depth(codec) > MAX_CONFIG_DEPTH or _json_depth(params) > MAX_CONFIG_DEPTH:
+    if _nests_deeper(codec, MAX_CONFIG_DEPTH) or _nests_deeper(params, MAX_CONFIG_DEPTH):
         raise FormatError(f"{where}: codec config or params nest deeper than {MAX_CONFIG_DEPTH} levels")
     if reference is not None and type(reference) is not str:
         raise FormatError(f"{where}: reference must be null or a string")
