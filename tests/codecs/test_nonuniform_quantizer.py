@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inshrinkerator.codecs.log_sketch import SIGNED_KEYS, magnitude_keys, signed_keys
+from inshrinkerator.codecs.log_sketch import MAGNITUDE_KEYS, SIGNED_KEYS, magnitude_keys, signed_keys
 from inshrinkerator.codecs.nonuniform_quantizer import (
     FIRST_NON_FINITE_KEY,
     LINEAR,
@@ -111,7 +111,6 @@ def test_a_batch_of_fits_gives_each_histogram_what_it_gives_alone() -> None:
 
 @pytest.mark.parametrize("domain", [LINEAR, LOG])
 def test_fit_thresholds_are_the_fit_of_the_histogram_without_those_buckets(domain: str) -> None:
-    from inshrinkerator.codecs.log_sketch import MAGNITUDE_KEYS
 
     values = _weights(30_000, 7)
     if domain == LOG:
@@ -156,3 +155,29 @@ def test_the_ids_of_a_few_keys_are_those_of_the_whole_key_table(domain: str) -> 
         whole = table.lookup()
         parts = torch.cat([table.ids(every_key[start : start + chunk]) for start in range(0, SIGNED_KEYS, chunk)])
         assert parts.dtype == whole.dtype and torch.equal(parts, whole), trial
+
+
+@pytest.mark.parametrize(
+    "centroids, domain",
+    [
+        ([0.5, 2.0, 3.0], LINEAR),  # the zero level lowest: every other id is one up
+        ([-3.0, -2.0, -1e-30], LINEAR),  # the zero level highest
+        ([-1e30, 1e-30, 1e30], LINEAR),  # boundaries beyond every key's centre
+        ([1e-6], LOG),
+        ([float(v) for v in torch.linspace(-4, 4, 300) if v != 0], LINEAR),  # ids beyond a byte
+    ],
+)
+@pytest.mark.parametrize(
+    "prune_below, protect_above",
+    [(1, FIRST_NON_FINITE_KEY - 1), (MAGNITUDE_KEYS + 7, FIRST_NON_FINITE_KEY - 1), (1, 0), (9000, 8999), (5, 10 ** 6)],
+)
+def test_the_key_table_at_its_edges(centroids: list[float], domain: str, prune_below: int, protect_above: int) -> None:
+    # The whole table is built from where the boundaries fall among the key centres; key by
+    # key, each key's nearest level is searched for. The two must agree on every signed key
+    # wherever the zero level lies, whatever the thresholds, and when ids need two bytes.
+    table = make_level_table(torch.tensor(centroids), domain, prune_below, protect_above)
+    every_key = torch.arange(SIGNED_KEYS, dtype=torch.int32)
+    by_key = torch.cat([table.ids(every_key[start : start + 1000]) for start in range(0, SIGNED_KEYS, 1000)])
+    whole = table.lookup()
+    assert whole.dtype == by_key.dtype and torch.equal(whole, by_key)
+    assert int(whole.max()) <= table.protect_id

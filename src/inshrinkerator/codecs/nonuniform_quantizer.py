@@ -64,18 +64,15 @@ FIRST_NON_FINITE_KEY = 255 << 6
 DIRECT_IDS_FRACTION = 8
 
 _CENTRES: dict[torch.device, torch.Tensor] = {}
-_KEY_TABLES: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+_MAGNITUDE_CENTRES: dict[torch.device, torch.Tensor] = {}
 
 
-def _key_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per device: centres of the magnitude keys (ascending), and per signed key its magnitude
-    key and whether it is negative."""
-    tables = _KEY_TABLES.get(device)
-    if tables is None:
-        keys = torch.arange(SIGNED_KEYS, device=device)
-        tables = (key_centres(device)[:MAGNITUDE_KEYS].contiguous(), keys & (MAGNITUDE_KEYS - 1), keys >= MAGNITUDE_KEYS)
-        _KEY_TABLES[device] = tables
-    return tables
+def _magnitude_centres(device: torch.device) -> torch.Tensor:
+    """Per device: the centres of the magnitude keys (ascending)."""
+    centres = _MAGNITUDE_CENTRES.get(device)
+    if centres is None:
+        centres = _MAGNITUDE_CENTRES[device] = key_centres(device)[:MAGNITUDE_KEYS].contiguous()
+    return centres
 
 
 def key_centres(device: torch.device = torch.device("cpu")) -> torch.Tensor:
@@ -144,19 +141,38 @@ class LevelTable:
         return table
 
     def _make_lookup(self, device: torch.device) -> torch.Tensor:
-        positive, magnitude, negative = _key_tables(device)
+        positive = _magnitude_centres(device)
         boundaries = self.boundaries().to(device)
-        # The nearest centroid of a value x is the number of boundaries below x. Bucket
-        # centres are sorted by magnitude key, so count with a few searches and a prefix sum.
-        ones = torch.ones_like(boundaries, dtype=torch.long)
+        count = boundaries.numel()
+        # The nearest centroid of a value x is the number of boundaries below x, and its id
+        # skips the zero level: the boundary just below that level counts twice (with the
+        # zero level lowest, every id starts at 1). Bucket centres are sorted by magnitude
+        # key, so each half of the table is a prefix sum of where the boundaries fall.
+        steps = torch.ones(count, dtype=torch.long, device=device)
+        start, total = (1 if self.zero_index == 0 else 0), count
+        if 1 <= self.zero_index <= count:
+            steps[self.zero_index - 1] = 2
+            total += 1
+        rises = torch.zeros(MAGNITUDE_KEYS, dtype=torch.long, device=device)
+        falls = torch.zeros(MAGNITUDE_KEYS, dtype=torch.long, device=device)
+        # (a boundary above every centre falls at MAGNITUDE_KEYS: it counts for no key)
         above = torch.searchsorted(positive, boundaries, right=True)
-        count_positive = torch.zeros(MAGNITUDE_KEYS + 1, dtype=torch.long, device=device).index_add_(0, above, ones)
         reach = torch.searchsorted(positive, -boundaries, right=False)
-        count_negative = torch.zeros(MAGNITUDE_KEYS + 1, dtype=torch.long, device=device).index_add_(0, reach, ones)
-        nearest = torch.cat(
-            [torch.cumsum(count_positive, 0)[:-1], boundaries.numel() - torch.cumsum(count_negative, 0)[:-1]]
-        )
-        return self._ids_from_nearest(nearest, magnitude, negative)
+        rises.index_add_(0, above.clamp(max=MAGNITUDE_KEYS - 1), steps.masked_fill(above >= MAGNITUDE_KEYS, 0))
+        falls.index_add_(0, reach.clamp(max=MAGNITUDE_KEYS - 1), steps.masked_fill(reach >= MAGNITUDE_KEYS, 0))
+        table = torch.empty(SIGNED_KEYS, dtype=id_dtype(self.count), device=device)
+        table[:MAGNITUDE_KEYS] = torch.cumsum(rises, 0).add_(start)
+        table[MAGNITUDE_KEYS:] = torch.cumsum(falls, 0).neg_().add_(start + total)
+        # Pruning, then protection, by magnitude key: ranges of each half.
+        pruned = min(max(self.prune_below, 1), MAGNITUDE_KEYS)
+        protected = min(self.protect_above, FIRST_NON_FINITE_KEY - 1) + 1
+        for half in (0, MAGNITUDE_KEYS):
+            table[half : half + pruned] = self.zero_index
+            table[half + protected : half + MAGNITUDE_KEYS] = self.protect_id
+        if self.domain == LOG:
+            # Only positive values have a level in the log domain; negative ones are protected.
+            table[MAGNITUDE_KEYS + 1 :] = self.protect_id
+        return table
 
     def ids(self, keys: torch.Tensor) -> torch.Tensor:
         """The id of each signed key: ``lookup()[keys]``, flattened.
@@ -168,7 +184,7 @@ class LevelTable:
         keys = keys.reshape(-1)
         if keys.numel() * DIRECT_IDS_FRACTION >= SIGNED_KEYS:
             return self.lookup(keys.device).index_select(0, keys)
-        positive = _key_tables(keys.device)[0]
+        positive = _magnitude_centres(keys.device)
         keys = keys.long()
         magnitude = keys & (MAGNITUDE_KEYS - 1)
         negative = keys >= MAGNITUDE_KEYS
