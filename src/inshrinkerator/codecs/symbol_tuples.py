@@ -20,6 +20,7 @@ most significant digit, the last byte padded with digit 0), the escape frame
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -37,11 +38,13 @@ TUPLE_SIZES = {2: 16, 4: 4}
 _PACKED = {2: torch.int16, 4: torch.int32}
 
 
+@functools.lru_cache(maxsize=None)
 def _digit_table(size: int, radix: int) -> torch.Tensor:
-    """(256, size) uint8: the digits of every byte value, most significant first."""
+    """The digits of every byte value, most significant first: ``size`` int32 per byte
+    value, flat (made once per tuple size; never modified)."""
     values = torch.arange(256, dtype=torch.int64).reshape(-1, 1)
     powers = radix ** torch.arange(size - 1, -1, -1, dtype=torch.int64)
-    return ((values // powers) % radix).to(torch.uint8)
+    return ((values // powers) % radix).to(torch.int32).reshape(-1)
 
 
 def _escape_positions(
@@ -144,7 +147,7 @@ def decode_symbol_tuples(data: Any, count: int) -> torch.Tensor:
     marker = int(torch.nonzero(~is_direct)[0]) if direct < 256 else 0
     digit_symbols = torch.full((radix,), marker, dtype=torch.uint8)
     digit_symbols[:direct] = symbols_of
-    table = digit_symbols.index_select(0, _digit_table(size, radix).reshape(-1).int())
+    table = digit_symbols.index_select(0, _digit_table(size, radix))
     table = table.reshape(256, size).view(_PACKED[size]).reshape(-1)
     packed_count = -(-count // size)
     packed = torch.frombuffer(bytearray(expand_frame(view[cursor : cursor + frame_bytes], packed_count)), dtype=torch.uint8)
