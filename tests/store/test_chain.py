@@ -97,6 +97,32 @@ def test_a_base_step_decodes_only_what_the_step_above_is_stored_against(run_of_t
     assert sum(decoded) == referenced[4] + referenced[5] + records
 
 
+def test_a_chain_restore_parses_each_header_once(run_of_two_chains, monkeypatch) -> None:
+    # Every file of the chain is opened twice (headers first, then data), but a header read
+    # back byte for byte the same is not parsed again; a file rewritten in between would be.
+    import inshrinkerator.container.reader as reader_module
+
+    parsed: list[str] = []
+    real_parse = reader_module.parse_header
+
+    def counting_parse(raw, source, *args, **kwargs):
+        parsed.append(source.rsplit("/", 1)[-1])
+        return real_parse(raw, source, *args, **kwargs)
+
+    monkeypatch.setattr(reader_module, "parse_header", counting_parse)
+    state = CheckpointManager(run_of_two_chains).load(5)
+    assert_same(state, state_for(5))
+    entries = {e.step: e for e in describe_run(str(run_of_two_chains))}
+    assert sorted(parsed) == sorted(entries[step].data_file for step in (3, 4, 5))
+    headers: dict = {}
+    opened = []
+    for step in (3, 4, 4):
+        with open(run_of_two_chains / entries[step].data_file, "rb") as handle:
+            with ContainerReader(handle, entries[step].data_file, headers) as reader:
+                opened.append(reader.header)
+    assert opened[0] is not opened[1] and opened[1] is opened[2] and len(headers) == 2
+
+
 def test_data_file_swapped_between_steps_is_caught(run_of_two_chains) -> None:
     run = run_of_two_chains
     one = next(run.glob("step-0000000001-*.ink"))

@@ -92,12 +92,15 @@ class ContainerReader:
         handle: a binary file object that supports ``seek`` (local or fsspec); closed by
             :meth:`close`.
         source: the name used in error messages (the path or URL).
+        parsed: headers already parsed, by their stored bytes (and version): a header
+            stored byte for byte the same is not parsed again, and one parsed here is added.
+            For a caller that opens the same files more than once.
 
     Raises:
         FormatError: not a valid file; CorruptCheckpointError: truncated or damaged.
     """
 
-    def __init__(self, handle: IO[bytes], source: str) -> None:
+    def __init__(self, handle: IO[bytes], source: str, parsed: Optional[dict[tuple[int, bytes], Header]] = None) -> None:
         self._handle = handle
         self._lock = threading.Lock()  # lazily read sections are read from codec threads
         self.source = source
@@ -118,7 +121,12 @@ class ContainerReader:
             raise CorruptCheckpointError(f"{source}: header checksum mismatch; the file is damaged")
         if padding.count(0) != len(padding):
             raise CorruptCheckpointError(f"{source}: the padding after the header is not zero; the file is damaged")
-        self.header: Header = parse_header(unpack_header(raw, version, source), source, version)
+        header = None if parsed is None else parsed.get((version, raw))
+        if header is None:
+            header = parse_header(unpack_header(raw, version, source), source, version)
+            if parsed is not None:
+                parsed[(version, raw)] = header
+        self.header: Header = header
         expected = self.data_start + self.header.data_bytes
         if size != expected:
             state = "truncated" if size < expected else "followed by unexpected bytes"

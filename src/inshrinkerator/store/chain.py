@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..container import ContainerReader
+from ..container import ContainerReader, Header
 from ..errors import BrokenChainError, CheckpointNotFoundError, CorruptCheckpointError
 from ..serialize import read_state, read_tensors, referenced_keys
 from .commit import read_manifest
@@ -46,10 +46,16 @@ def resolve_chain(storage: RunStorage, step: int) -> list[StepManifest]:
     return chain
 
 
-def open_step(storage: RunStorage, manifest: StepManifest, needed_by: Optional[int] = None) -> ContainerReader:
+def open_step(
+    storage: RunStorage,
+    manifest: StepManifest,
+    needed_by: Optional[int] = None,
+    parsed: Optional[dict[tuple[int, bytes], Header]] = None,
+) -> ContainerReader:
     """Open one step's data file, checked against its manifest.
 
-    ``needed_by`` is the step being restored when this one is only its base, for messages.
+    ``needed_by`` is the step being restored when this one is only its base, for messages;
+    ``parsed``: headers parsed before (see :class:`ContainerReader`).
     """
     where = storage.describe(manifest.data_file)
     try:
@@ -59,7 +65,7 @@ def open_step(storage: RunStorage, manifest: StepManifest, needed_by: Optional[i
         if needed_by is not None and needed_by != manifest.step:
             raise BrokenChainError(f"{message}, and step {needed_by} is stored against it") from None
         raise CorruptCheckpointError(f"{message}; the run was damaged") from None
-    reader = ContainerReader(handle, where)
+    reader = ContainerReader(handle, where, parsed)
     size = reader.data_start + reader.header.data_bytes
     if size != manifest.data_bytes or reader.meta.get("step", manifest.step) != manifest.step:
         reader.close()
@@ -92,15 +98,17 @@ def load_chain(storage: RunStorage, chain: list[StepManifest]) -> Any:
     target = chain[-1].step
     wanted: list[Optional[set[str]]] = [None] * len(chain)
     # Each file is opened twice (its header here, its data below) rather than kept open:
-    # a remote handle holds a read buffer, and chains can be long.
+    # a remote handle holds a read buffer, and chains can be long. Its header is read
+    # twice but parsed once.
+    parsed: dict[tuple[int, bytes], Header] = {}
     for index in range(len(chain) - 1, 0, -1):
-        with open_step(storage, chain[index], needed_by=target) as reader:
+        with open_step(storage, chain[index], needed_by=target, parsed=parsed) as reader:
             wanted[index - 1] = referenced_keys(reader, wanted[index])
     references: Optional[dict[str, torch.Tensor]] = None
     for manifest, keys in zip(chain[:-1], wanted):
-        with open_step(storage, manifest, needed_by=target) as reader:
+        with open_step(storage, manifest, needed_by=target, parsed=parsed) as reader:
             references = read_tensors(reader, keys, references, reference_hint=_base_hint(manifest))
-    with open_step(storage, chain[-1], needed_by=target) as reader:
+    with open_step(storage, chain[-1], needed_by=target, parsed=parsed) as reader:
         return read_state(reader, references, reference_hint=_base_hint(chain[-1]))
 
 
