@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inshrinkerator.codecs._numpy_paths import select, stable_argsort
+from inshrinkerator.codecs._numpy_paths import (
+    nonzero_positions,
+    positions_differing,
+    positions_of,
+    select,
+    stable_argsort,
+)
 
 
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64])
@@ -36,3 +42,28 @@ def test_select_matches_boolean_indexing(dtype: torch.dtype) -> None:
     assert picked.dtype == dtype
     assert torch.equal(picked, values[mask])
     assert select(values, torch.zeros_like(mask)).numel() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.int16, torch.int32, torch.int64])
+@pytest.mark.parametrize("count", [0, 1, 5000])
+def test_position_finders_match_torch_nonzero(dtype: torch.dtype, count: int) -> None:
+    generator = torch.Generator().manual_seed(count)
+    high = 2 if dtype == torch.bool else 6
+    values = torch.randint(0, high, (count,), generator=generator).to(dtype)
+    other = torch.randint(0, high, (count,), generator=generator).to(dtype)
+    found = [
+        (nonzero_positions(values), torch.nonzero(values)),
+        (positions_differing(values, other), torch.nonzero(values != other)),
+    ]
+    if dtype != torch.bool:
+        # ids as the codecs hold them: a value present, one absent, one beyond the dtype
+        for value in (3, 9, 300):
+            found.append((positions_of(values, value), torch.nonzero(values == value)))
+            found.append((positions_differing(values, value), torch.nonzero(values != value)))
+    for got, expected in found:
+        assert got.dtype == torch.int64
+        assert torch.equal(got, expected.reshape(-1))
+    # a strided view is searched along the view
+    view = values[::3]
+    assert torch.equal(nonzero_positions(view), torch.nonzero(view).reshape(-1))
+

@@ -1,4 +1,4 @@
-"""CPU fast paths through NumPy for two tensor operations that torch runs slowly there.
+"""CPU fast paths through NumPy for tensor operations that torch runs slowly there.
 
 Each returns exactly what the torch operation returns (the same values, dtype and order);
 tensors on other devices take the torch operation itself, so the same code runs on a GPU.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["select", "stable_argsort"]
+__all__ = ["nonzero_positions", "positions_of", "positions_differing", "select", "stable_argsort"]
 
 # NumPy sorts keys of these dtypes with a radix sort.
 _RADIX_DTYPES = (torch.uint8, torch.int8, torch.int16)
@@ -33,3 +33,30 @@ def stable_argsort(keys: torch.Tensor) -> torch.Tensor:
     if keys.device.type == "cpu" and keys.dtype in _RADIX_DTYPES:
         return torch.from_numpy(np.argsort(keys.numpy(), kind="stable"))
     return torch.argsort(keys, stable=True)
+
+
+def nonzero_positions(values: torch.Tensor) -> torch.Tensor:
+    """``torch.nonzero(values).reshape(-1)`` of a flat tensor (int64 positions, ascending).
+
+    NumPy took 0.26 ms where torch took 1.4 ms (a 1.6M-entry mask, one thread)."""
+    if values.device.type == "cpu":
+        return torch.from_numpy(np.flatnonzero(values.numpy()).astype(np.int64, copy=False))
+    return torch.nonzero(values).reshape(-1)
+
+
+def positions_of(values: torch.Tensor, value: int) -> torch.Tensor:
+    """``torch.nonzero(values == value).reshape(-1)`` of a flat integer tensor.
+
+    NumPy took 0.31 ms where torch took 2.4 ms (1.6M uint8 ids, one thread)."""
+    if values.device.type == "cpu":
+        return torch.from_numpy(np.flatnonzero(values.numpy() == value).astype(np.int64, copy=False))
+    return torch.nonzero(values == value).reshape(-1)
+
+
+def positions_differing(values: torch.Tensor, other: "torch.Tensor | int") -> torch.Tensor:
+    """``torch.nonzero(values != other).reshape(-1)`` of a flat integer tensor and another
+    of the same size, or a number."""
+    if values.device.type == "cpu" and (not torch.is_tensor(other) or other.device.type == "cpu"):
+        right = other.numpy() if torch.is_tensor(other) else other
+        return torch.from_numpy(np.flatnonzero(values.numpy() != right).astype(np.int64, copy=False))
+    return torch.nonzero(values != other).reshape(-1)

@@ -53,7 +53,7 @@ from typing import Any, Optional
 import torch
 
 from ..errors import CorruptCheckpointError, FormatError
-from ._numpy_paths import stable_argsort
+from ._numpy_paths import positions_differing, stable_argsort
 from .entropy import decode_symbols, encode_symbols, expand_frame, huffman_frame
 from .symbol_tuples import TUPLE_SIZES, decode_symbol_tuples, encode_symbol_tuples, tuple_header_bytes
 from .scratch import reusing_scratch
@@ -313,7 +313,7 @@ def encode_bucket_ids(
             raise ValueError("predicted ids must match the ids in size")
         run_symbol = 0
         mode = REARRANGED if rearrange else PREDICTED
-        positions = changed if changed is not None else torch.nonzero(ids != predicted).reshape(-1)
+        positions = changed if changed is not None else positions_differing(ids, predicted)
         changed_count = positions.numel()
     with reusing_scratch():  # the candidates' large temporaries share buffers
         return _encode_bucket_ids(
@@ -349,7 +349,7 @@ def _encode_bucket_ids(
         candidates.append((_DIRECT, dense, b"", 0))
     if zeros >= _RUNS_FROM:
         if positions is None:
-            positions = torch.nonzero(ids != run_symbol).reshape(-1)
+            positions = positions_differing(ids, run_symbol)
         base = run_symbol if predicted is None else predicted.index_select(0, positions.reshape(-1).long())
         values = _cyclic_difference(ids.index_select(0, positions.reshape(-1).long()), base if torch.is_tensor(base) else torch.tensor(base), levels)
         if order is not None:

@@ -45,7 +45,7 @@ from typing import Any, Optional
 import torch
 
 from ..errors import BrokenChainError, CorruptCheckpointError, FormatError
-from ._numpy_paths import select, stable_argsort
+from ._numpy_paths import nonzero_positions, positions_differing, positions_of, select, stable_argsort
 from ._parallel import parallel_map_sized
 from .base import Codec, Encoded, TensorSpec
 from .bucket_delta import MAX_LEVELS, EntropyStats, decode_bucket_ids, encode_bucket_ids, id_dtype
@@ -383,17 +383,17 @@ class DynaQuantCodec(PreparedEncoding, Codec):
         if reference is not None:
             fingerprint = reference_fingerprint(reference)
             predicted = table.ids(_signed_keys(reference))
-            differs = ids != predicted
-            if zeros is not None:
-                differs &= ~zeros
-            changed = torch.nonzero(differs).reshape(-1)
+            if zeros is None:
+                changed = positions_differing(ids, predicted)
+            else:
+                changed = nonzero_positions((ids != predicted) & ~zeros)
             if self.stickiness > 0 and changed.numel():
                 keep = stick_to_predicted(flat, changed, ids, predicted, table, self.stickiness)
                 if bool(keep.any()):
                     ids[changed[keep]] = predicted[changed[keep]]
                     changed = changed[~keep]
         if ids.numel() and int(ids.max()) == table.protect_id:  # the largest id: a cheap test first
-            protected_positions = torch.nonzero(ids == table.protect_id).reshape(-1)
+            protected_positions = positions_of(ids, table.protect_id)
         else:
             protected_positions = torch.empty(0, dtype=torch.int64, device=ids.device)
         protected_dtype = torch.float16 if tensor.dtype == torch.float16 else torch.bfloat16
@@ -499,7 +499,7 @@ class DynaQuantCodec(PreparedEncoding, Codec):
             ids[stored] = coded
         positions = None
         if protected_count:
-            positions = torch.nonzero(ids == table.protect_id).reshape(-1)
+            positions = positions_of(ids, table.protect_id)
             mismatch = positions.numel() != protected_count
         else:  # the protect id is the largest: a maximum is much cheaper than a comparison
             mismatch = bool(ids.numel()) and int(ids.max()) == table.protect_id

@@ -32,6 +32,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from ._numpy_paths import positions_of
 from .bucket_delta import id_dtype
 from .log_sketch import MAGNITUDE_KEYS, SIGNED_KEYS, LogHistogram, signed_key_centres
 from .scratch import scratch
@@ -385,6 +386,6 @@ def reconstruct(
     out = values.index_select(0, ids)
     if protected_values.numel():
         if protected_positions is None:
-            protected_positions = torch.nonzero(ids == table.protect_id).reshape(-1)
+            protected_positions = positions_of(ids, table.protect_id)
         out[protected_positions] = protected_values.to(device=out.device, dtype=dtype)
     return out.reshape(shape)

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ..errors import CorruptCheckpointError
+from ._numpy_paths import nonzero_positions, positions_of
 from .entropy import expand_frame, huffman_frame
 from .scratch import scratch
 from .varint import decode_varint, encode_varint
@@ -58,16 +59,16 @@ def _escape_positions(
     escapes are so frequent that most tuples hold one).
     """
     if expected * 16 > digits_or_symbols.numel():
-        return torch.nonzero(digits_or_symbols == escape).reshape(-1)
+        return positions_of(digits_or_symbols, escape)
     digit_bits = radix.bit_length() - 1
     marked = packed.clone()
     for shift in range(1, digit_bits):
         marked &= packed >> shift
     marked &= 0x55 if digit_bits == 2 else 0x11  # the lowest bit of every digit
-    tuples = torch.nonzero(marked).reshape(-1)
+    tuples = nonzero_positions(marked)
     # The padded tail holds digit 0, never an escape; nonzero + index_select beat masks.
     candidates = (tuples.reshape(-1, 1) * size + torch.arange(size)).reshape(-1)
-    hits = torch.nonzero(digits_or_symbols.index_select(0, candidates) == escape).reshape(-1)
+    hits = positions_of(digits_or_symbols.index_select(0, candidates), escape)
     return candidates.index_select(0, hits)
 
 

@@ -33,6 +33,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..codecs._numpy_paths import positions_of
 from ..codecs.nonuniform_quantizer import assign_ids, reconstruct
 from ..tree import TensorLeaf
 from .quantization_trials import (
@@ -517,7 +518,7 @@ class ConfigurationCube:
         trial, result = self.trials[index], self.result(index, point, metric)
         table = result.table
         ids = assign_ids(trial.keys, table.to(trial.flat.device), result.prune_mask, result.protect_mask)
-        positions = torch.nonzero(ids == table.protect_id).reshape(-1)
+        positions = positions_of(ids, table.protect_id)
         tensor = self.leaves[index].tensor
         protected = trial.flat[positions].to(torch.float16 if tensor.dtype == torch.float16 else torch.bfloat16)
         return reconstruct(ids, table, protected, tensor.dtype, tuple(tensor.shape), positions)
