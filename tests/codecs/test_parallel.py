@@ -147,3 +147,51 @@ def test_a_background_sized_map_shares_out_every_item(monkeypatch):
     assert results == {"foreground": [0, 10, 20, 30], "background": [0, 10, 20, 30]}
     # shared out, largest first: the two large items in the foreground, all four in the background
     assert shared == [[3, 0], [3, 0, 2, 1]]
+
+
+_OPENMP = _parallel._omp() is not None
+
+
+@pytest.mark.skipif(not _OPENMP, reason="torch's intra-op threads are not OpenMP's here")
+def test_codec_work_runs_torch_ops_on_its_own_thread_and_leaves_other_threads_alone():
+    import torch
+
+    outer = torch.get_num_threads()
+    if outer < 2:
+        torch.set_num_threads(2)
+    try:
+        seen_elsewhere: list[int] = []
+        inside = threading.Event()
+        release = threading.Event()
+
+        def other_thread() -> None:
+            torch.get_num_threads()
+            inside.wait(5)
+            seen_elsewhere.append(torch.get_num_threads())  # while the block below is open
+            release.set()
+
+        watcher = threading.Thread(target=other_thread)
+        watcher.start()
+        with _parallel.single_threaded_ops():
+            assert torch.get_num_threads() == 1
+            inside.set()
+            assert release.wait(5)
+        watcher.join()
+        assert torch.get_num_threads() == max(outer, 2)  # restored on leaving
+        assert seen_elsewhere == [max(outer, 2)]
+        # Pool workers, and the caller while it shares a batch, run torch ops on one thread.
+        threads = parallel_map(lambda _: (time.sleep(0.01), torch.get_num_threads())[1], range(8))
+        assert set(threads) == {1}
+        assert torch.get_num_threads() == max(outer, 2)
+    finally:
+        torch.set_num_threads(outer)
+
+
+def test_single_threaded_ops_change_nothing_where_the_setting_is_not_per_thread(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(_parallel, "_omp", lambda: None)
+    before = torch.get_num_threads()
+    with _parallel.single_threaded_ops():
+        assert torch.get_num_threads() == before
+    assert torch.get_num_threads() == before
