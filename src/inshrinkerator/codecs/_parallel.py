@@ -88,11 +88,29 @@ def _omp() -> Optional[tuple[Any, Any]]:
         try:
             if "parallel backend: OpenMP" in torch.__config__.parallel_info():
                 runtime = ctypes.CDLL(None)
-                _omp_controls = (runtime.omp_set_num_threads, runtime.omp_get_max_threads)
-        except (AttributeError, OSError):
+                controls = (runtime.omp_set_num_threads, runtime.omp_get_max_threads)
+                if _follows(controls[0]):
+                    _omp_controls = controls
+        except (AttributeError, OSError, TypeError):  # no such runtime, or no process-wide symbols
             _omp_controls = None
         _omp_resolved = True
     return _omp_controls
+
+
+def _follows(set_threads: Any) -> bool:
+    # Whether torch's thread count follows this runtime (a process may hold more than one
+    # OpenMP runtime): tried on a short-lived thread of its own.
+    seen: list[int] = []
+
+    def probe() -> None:
+        torch.get_num_threads()
+        set_threads(1)
+        seen.append(torch.get_num_threads())
+
+    thread = threading.Thread(target=probe)
+    thread.start()
+    thread.join()
+    return seen == [1]
 
 
 @contextmanager
