@@ -56,6 +56,9 @@ def reference_map(state: Any) -> dict[str, torch.Tensor]:
     return {format_key_path(leaf.path): leaf.tensor for leaf in flatten(state).tensors}
 
 
+# Codec work runs torch operations on its own thread alone: the codec pool spreads it
+# (codecs._parallel).
+@single_threaded_ops()
 def write_state(
     out: IO[bytes],
     state: Any,
@@ -71,20 +74,6 @@ def write_state(
     Raises:
         UnsupportedStateError: the state holds something that cannot be stored.
     """
-    with single_threaded_ops():  # the codec pool spreads the work (see codecs._parallel)
-        return _write_state(out, state, policy, references, reference_name, meta, keep_reconstruction, progress)
-
-
-def _write_state(
-    out: IO[bytes],
-    state: Any,
-    policy: Policy,
-    references: Optional[Mapping[str, torch.Tensor]],
-    reference_name: str,
-    meta: Optional[dict[str, Any]],
-    keep_reconstruction: bool,
-    progress: Optional[ProgressCallback],
-) -> WrittenState:
     flat = flatten(state)
     keys = [format_key_path(leaf.path) for leaf in flat.tensors]
     refs = [references.get(key) if references else None for key in keys]
@@ -257,6 +246,7 @@ def tensor_keys(reader: ContainerReader) -> list[str]:
     return [format_key_path(paths[index]) for index in range(len(header.tensors))]
 
 
+@single_threaded_ops()
 def _decode(
     reader: ContainerReader,
     keys: Sequence[str],
@@ -266,18 +256,6 @@ def _decode(
     progress: Optional[ProgressCallback],
 ) -> list[torch.Tensor]:
     """The tensors of records ``indices``, decoded against ``references`` by key."""
-    with single_threaded_ops():  # the codec pool spreads the work (see codecs._parallel)
-        return _decode_records(reader, keys, indices, references, reference_hint, progress)
-
-
-def _decode_records(
-    reader: ContainerReader,
-    keys: Sequence[str],
-    indices: Sequence[int],
-    references: Optional[Mapping[str, torch.Tensor]],
-    reference_hint: str,
-    progress: Optional[ProgressCallback],
-) -> list[torch.Tensor]:
     records = [reader.header.tensors[index] for index in indices]
     references_in_order: list[Optional[torch.Tensor]] = []
     for index, record in zip(indices, records):

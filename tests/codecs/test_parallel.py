@@ -195,3 +195,42 @@ def test_single_threaded_ops_change_nothing_where_the_setting_is_not_per_thread(
     with _parallel.single_threaded_ops():
         assert torch.get_num_threads() == before
     assert torch.get_num_threads() == before
+
+
+@pytest.mark.skipif(not _OPENMP, reason="torch's intra-op threads are not OpenMP's here")
+def test_a_save_and_a_load_code_on_one_torch_thread_and_give_the_caller_its_own_back(tmp_path, monkeypatch):
+    import dataclasses
+
+    import torch
+
+    import inshrinkerator as ink
+    from inshrinkerator.codecs import registry
+    from inshrinkerator.policies import Lossless
+
+    seen: list[int] = []
+
+    @dataclasses.dataclass(frozen=True)
+    class Watching(Lossless):
+        def plan_state(self, state, leaves, references):  # type: ignore[override]
+            seen.append(torch.get_num_threads())
+            return super().plan_state(state, leaves, references)
+
+    outer = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        state = {"w": torch.randn(64, 64)}
+        ink.save(state, tmp_path / "a.ink", policy=Watching())
+        decoding: list[int] = []
+        real_get_codec = registry.get_codec
+
+        def watching_get_codec(config):
+            decoding.append(torch.get_num_threads())
+            return real_get_codec(config)
+
+        monkeypatch.setattr("inshrinkerator.container.reader.get_codec", watching_get_codec)
+        loaded = ink.load(tmp_path / "a.ink")
+        assert torch.equal(loaded["w"], state["w"])
+        assert seen == [1] and decoding and set(decoding) == {1}
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(outer)
