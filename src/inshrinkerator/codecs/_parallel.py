@@ -75,26 +75,32 @@ def lower_priority() -> None:
             pass
 
 
-_omp_controls: Optional[tuple[Any, Any]] = None
+_omp_set_threads: Any = None
 _omp_resolved = False
 
 
-def _omp() -> Optional[tuple[Any, Any]]:
-    """``omp_set_num_threads`` and ``omp_get_max_threads`` of the OpenMP runtime behind
-    torch's intra-op threads, or None where they are not OpenMP's (the setting is then
-    process-wide, and is left alone)."""
-    global _omp_controls, _omp_resolved
+def _omp() -> Any:
+    """``omp_set_num_threads`` of the OpenMP runtime behind torch's intra-op threads, or None
+    where they are not OpenMP's (the setting is then process-wide, and is left alone).
+    Under OpenMP, ``torch.get_num_threads()`` reads the calling thread's own setting."""
+    global _omp_set_threads, _omp_resolved
     if not _omp_resolved:
         try:
             if "parallel backend: OpenMP" in torch.__config__.parallel_info():
-                runtime = ctypes.CDLL(None)
-                controls = (runtime.omp_set_num_threads, runtime.omp_get_max_threads)
-                if _follows(controls[0]):
-                    _omp_controls = controls
+                set_threads = ctypes.CDLL(None).omp_set_num_threads
+                if _follows(set_threads):
+                    _omp_set_threads = set_threads
         except (AttributeError, OSError, TypeError):  # no such runtime, or no process-wide symbols
-            _omp_controls = None
+            _omp_set_threads = None
         _omp_resolved = True
-    return _omp_controls
+    return _omp_set_threads
+
+
+def _one_thread(set_threads: Any) -> int:
+    """Set the calling thread's torch operations to one thread; its setting before."""
+    previous = torch.get_num_threads()  # also torch's set-up of the thread, which would undo ours later
+    set_threads(1)
+    return previous
 
 
 def _follows(set_threads: Any) -> bool:
@@ -103,8 +109,7 @@ def _follows(set_threads: Any) -> bool:
     seen: list[int] = []
 
     def probe() -> None:
-        torch.get_num_threads()
-        set_threads(1)
+        _one_thread(set_threads)
         seen.append(torch.get_num_threads())
 
     thread = threading.Thread(target=probe)
@@ -117,17 +122,11 @@ def _follows(set_threads: Any) -> bool:
 def single_threaded_ops() -> Iterator[None]:
     """Torch operations on the calling thread run without intra-op threads inside the block
     (OpenMP's setting is the calling thread's own; elsewhere nothing changes)."""
-    controls = _omp()
-    if controls is None:
+    set_threads = _omp()
+    if set_threads is None:
         yield
         return
-    set_threads, max_threads = controls
-    torch.get_num_threads()  # torch sets a thread's OpenMP threads at its first use: do it first
-    previous = max_threads()
-    if previous <= 1:
-        yield
-        return
-    set_threads(1)
+    previous = _one_thread(set_threads)
     try:
         yield
     finally:
@@ -138,10 +137,9 @@ def _pool_thread_setup(background: bool) -> None:
     # A pool thread only ever runs batches: its torch operations stay on itself.
     if background:
         lower_priority()
-    controls = _omp()
-    if controls is not None:
-        torch.get_num_threads()
-        controls[0](1)
+    set_threads = _omp()
+    if set_threads is not None:
+        _one_thread(set_threads)
 
 
 def in_background() -> bool:
