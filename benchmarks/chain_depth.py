@@ -10,9 +10,12 @@ from a file (both from the page cache).
 
 Reported per ``full_every``: the full-state ratio (raw bytes handed to ``save`` over the
 bytes of every file the run left), and the restore time over ``torch.load``'s, averaged over
-the steps and at the deepest step.
+the steps and at the deepest step. The same states also go through managers with the
+``lossless`` policy (``--lossless-every``, default 1 and 10): what a chain of exact XOR
+deltas, and a single exact file, take to restore on this machine.
 
-Run: ``python benchmarks/chain_depth.py [--workload minilm-docstrings ...] [--every 1 2 5 10]``
+Run: ``python benchmarks/chain_depth.py [--workload minilm-docstrings ...] [--every 1 2 5 10]
+[--lossless-every 1 10]``
 Writes ``benchmarks/results/chain_depth.json``.
 """
 
@@ -23,6 +26,7 @@ import json
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -66,14 +70,19 @@ def _run_bytes(folder: Path) -> int:
     return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
 
 
-def measure(name: str, every: list[int], loads: int, folder: Path) -> dict[str, Any]:
-    """Train ``name`` once, saving into one manager per ``full_every``; time every restore."""
+def measure(name: str, every: list[int], loads: int, folder: Path, lossless_every: Sequence[int] = ()) -> dict[str, Any]:
+    """Train ``name`` once, saving into one manager per policy and ``full_every``; time every
+    restore."""
     workload = make_workload(name, 0)
     workload.build()
     size = workload.size
-    managers = {n: CheckpointManager(folder / f"every-{n}", full_every=n) for n in every}
+    configurations = [("dynaquant", n) for n in every] + [("lossless", n) for n in lossless_every]
+    managers = {
+        (policy, n): CheckpointManager(folder / f"{policy}-every-{n}", policy=policy, full_every=n)
+        for policy, n in configurations
+    }
     for manager in managers.values():
-        manager.watch(workload.model)
+        manager.watch(workload.model)  # the lossless policy ignores it
     raw_files: dict[int, Path] = {}
     raw_bytes = 0
     for step in range(size.total_steps):
@@ -92,10 +101,11 @@ def measure(name: str, every: list[int], loads: int, folder: Path) -> dict[str, 
         step: _best(lambda path=path: torch.load(path, weights_only=True), loads) for step, path in raw_files.items()
     }
     rows = []
-    for n in every:
+    for policy, n in configurations:
+        run = folder / f"{policy}-every-{n}"
         seconds = {}
         for step in raw_files:
-            reader = CheckpointManager(folder / f"every-{n}", full_every=n)
+            reader = CheckpointManager(run, full_every=n)
             seconds[step] = _best(lambda: reader.load(step), loads)
             reader.close()
         ratios = {step: seconds[step] / torch_load[step] for step in seconds}
@@ -103,9 +113,10 @@ def measure(name: str, every: list[int], loads: int, folder: Path) -> dict[str, 
         depth = {step: index % n for index, step in enumerate(sorted(seconds))}
         deepest = max(seconds, key=lambda step: (depth[step], step))
         rows.append({
+            "policy": policy,
             "full_every": n,
-            "ratio_full_state": raw_bytes / _run_bytes(folder / f"every-{n}"),
-            "stored_mb": _run_bytes(folder / f"every-{n}") / 1e6,
+            "ratio_full_state": raw_bytes / _run_bytes(run),
+            "stored_mb": _run_bytes(run) / 1e6,
             "restore_seconds_mean": statistics.mean(seconds.values()),
             "restore_over_torch_load_mean": statistics.mean(ratios.values()),
             "deepest_step": deepest,
@@ -125,6 +136,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", action="append", choices=sorted(WORKLOADS), default=None)
     parser.add_argument("--every", type=int, nargs="+", default=[1, 2, 5, 10], help="full_every values")
+    parser.add_argument(
+        "--lossless-every", type=int, nargs="*", default=[1, 10], help="full_every values for the lossless policy"
+    )
     parser.add_argument("--loads", type=int, default=3, help="timed loads per step (best of)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -132,12 +146,12 @@ def main() -> None:
     with torch_threads(1):
         for name in args.workload or ["stdlib-char-gpt", "minilm-docstrings"]:
             with tempfile.TemporaryDirectory() as folder:
-                result = measure(name, args.every, args.loads, Path(folder))
+                result = measure(name, args.every, args.loads, Path(folder), args.lossless_every)
             results.append(result)
             print(f"{name}: {result['saves']} saves of {result['raw_mb_per_save']:.1f} MB, "
                   f"torch.load {result['torch_load_seconds_mean'] * 1e3:.1f} ms")
             for row in result["rows"]:
-                print(f"  full_every={row['full_every']:>3}: {row['ratio_full_state']:6.2f}x  restore "
+                print(f"  {row['policy']:>9} full_every={row['full_every']:>3}: {row['ratio_full_state']:6.2f}x  restore "
                       f"{row['restore_seconds_mean']:.3f} s mean ({row['restore_over_torch_load_mean']:.1f}x torch.load), "
                       f"deepest step {row['deepest_step']} {row['deepest_restore_seconds']:.3f} s "
                       f"({row['deepest_over_torch_load']:.1f}x)", flush=True)

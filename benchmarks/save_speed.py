@@ -8,7 +8,9 @@ and a watched model, as a training script would. Measured: the raw bytes of the 
 states over the time spent inside ``save`` (all saves; the first, full one, and the
 median of the deltas apart). ``--layers N`` adds a model of ``N`` ``Linear(64, 64)``
 layers with Adam (three saves, five steps apart): the case of many small tensors.
-Every case runs in a fresh process of its own.
+Every case runs in a fresh process of its own, and then once more with the ``lossless``
+policy (byte grouping, zstd, XOR deltas) on the same states (training is deterministic):
+what storing the state costs at all on this machine, without any quantization.
 
 Run: ``python benchmarks/save_speed.py [--workload digits-cnn ...] [--layers 400] [--out FILE]``
 """
@@ -23,7 +25,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -48,12 +50,12 @@ def _summary(name: str, raw_bytes: list[int], seconds: list[float]) -> dict[str,
     }
 
 
-def workload_run(name: str, folder: Path) -> dict[str, Any]:
+def workload_run(name: str, folder: Path, policy: Optional[str] = None) -> dict[str, Any]:
     """One workload's full schedule, every save timed."""
     workload = make_workload(name, 0)
     workload.build()
     size = workload.size
-    manager = CheckpointManager(folder / "run")
+    manager = CheckpointManager(folder / "run", policy=policy)
     manager.watch(workload.model)
     raw_bytes: list[int] = []
     seconds: list[float] = []
@@ -69,12 +71,12 @@ def workload_run(name: str, folder: Path) -> dict[str, Any]:
     return _summary(name, raw_bytes, seconds)
 
 
-def layers_run(count: int, folder: Path) -> dict[str, Any]:
+def layers_run(count: int, folder: Path, policy: Optional[str] = None) -> dict[str, Any]:
     """``count`` layers of ``Linear(64, 64)`` with Adam: three saves, five steps apart."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(count)])
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    manager = CheckpointManager(folder / "run")
+    manager = CheckpointManager(folder / "run", policy=policy)
     manager.watch(model)
     raw_bytes: list[int] = []
     seconds: list[float] = []
@@ -93,12 +95,18 @@ def layers_run(count: int, folder: Path) -> dict[str, Any]:
     return _summary(f"{count} x Linear(64, 64)", raw_bytes, seconds)
 
 
-def _child(case: str) -> dict[str, Any]:
+def _child(case: str, policy: Optional[str]) -> dict[str, Any]:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as folder:
         if case.startswith("layers:"):
-            return layers_run(int(case.split(":", 1)[1]), Path(folder))
-        return workload_run(case, Path(folder))
+            return layers_run(int(case.split(":", 1)[1]), Path(folder), policy)
+        return workload_run(case, Path(folder), policy)
+
+
+def _run_child(case: str, policy: Optional[str] = None) -> dict[str, Any]:
+    command = [sys.executable, __file__, "--child", case] + (["--policy", policy] if policy else [])
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -107,20 +115,24 @@ def main() -> None:
     parser.add_argument("--layers", type=int, action="append", default=None, help="add N Linear(64, 64) layers")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--policy", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(_child(args.child)))
+        print(json.dumps(_child(args.child, args.policy)))
         return
     cases = list(args.workload or DEFAULT_WORKLOADS) + [f"layers:{n}" for n in args.layers or []]
     rows = []
     for case in cases:
-        done = subprocess.run([sys.executable, __file__, "--child", case], capture_output=True, text=True, check=True)
-        row = json.loads(done.stdout.strip().splitlines()[-1])
+        row = _run_child(case)
+        floor = _run_child(case, "lossless")
+        row["lossless_mb_per_second"] = floor["mb_per_second"]
+        row["lossless_median_delta_seconds"] = floor["median_delta_seconds"]
         rows.append(row)
         print(
             f"{row['case']}: {row['mb_per_second']:.1f} MB/s over {row['saves']} saves of "
             f"{row['raw_mb_per_save']:.1f} MB (first {row['first_save_seconds']:.2f} s, median delta "
-            f"{row['median_delta_seconds']:.2f} s = {row['delta_mb_per_second']:.1f} MB/s)",
+            f"{row['median_delta_seconds']:.2f} s = {row['delta_mb_per_second']:.1f} MB/s); the lossless policy "
+            f"{row['lossless_mb_per_second']:.1f} MB/s",
             flush=True,
         )
     if args.out:
