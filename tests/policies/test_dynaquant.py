@@ -818,24 +818,45 @@ def test_the_joint_mask_needs_betas_that_keep_a_restart_s_steps_within_twice() -
     assert float((restored == 0).float().mean()) > 0.85 and torch.equal(restored == 0, context == 0)
 
 
+def _kept_first_moment(run, step) -> float:
+    reader = ink.CheckpointManager(run)
+    moment = reader.load(step)["optimizer"]["state"][2]["exp_avg"]
+    reader.close()
+    return float((moment != 0).float().mean())
+
+
 @pytest.mark.parametrize("after, pruned", [(5, True), (6, False)])
-def test_first_moments_are_pruned_only_far_enough_from_the_reference(tmp_path, after, pruned) -> None:
-    # The states are 5 Adam steps apart: the delta prunes when first_moment_keep_after <= 5.
+def test_first_moments_are_pruned_only_far_enough_from_the_checkpoint_before(tmp_path, after, pruned) -> None:
+    # The states are 5 Adam steps apart, the first 5 steps after the optimizer's start: the
+    # full checkpoint and the delta both prune when first_moment_keep_after <= 5.
     _, states = _states(2)
     manager = ink.CheckpointManager(tmp_path / "run", policy=DynaQuant(first_moment_keep=0.1, first_moment_keep_after=after))
     for step, state in enumerate(states):
         manager.save(step, state)
     manager.close()
-    reader = ink.CheckpointManager(tmp_path / "run")
-    full, delta = (reader.load(step)["optimizer"]["state"][2]["exp_avg"] for step in (0, 1))
-    reader.close()
-    assert float((full != 0).float().mean()) > 0.5  # a full checkpoint keeps every entry
-    kept = float((delta != 0).float().mean())
-    assert kept <= 0.11 if pruned else kept > 0.5
+    for step in (0, 1):
+        kept = _kept_first_moment(tmp_path / "run", step)
+        assert kept <= 0.11 if pruned else kept > 0.5
+
+
+def test_a_full_checkpoint_counts_its_steps_from_the_save_before_it(tmp_path) -> None:
+    # Every checkpoint full, 5 Adam steps apart: the policy remembers its previous save (5
+    # steps: every entry kept); a fresh policy counts from the optimizer's start (15: pruned).
+    _, states = _states(3)
+    options = {"first_moment_keep": 0.1, "first_moment_keep_after": 6}
+    manager = ink.CheckpointManager(tmp_path / "run", policy=DynaQuant(**options), full_every=1)
+    for step, state in enumerate(states):
+        manager.save(step, state)
+    manager.close()
+    assert all(_kept_first_moment(tmp_path / "run", step) > 0.5 for step in range(3))
+    fresh = ink.CheckpointManager(tmp_path / "fresh", policy=DynaQuant(**options))
+    fresh.save(2, states[2])
+    fresh.close()
+    assert _kept_first_moment(tmp_path / "fresh", 2) <= 0.11
 
 
 def test_steps_since_reference_come_from_the_optimizer_step_counters() -> None:
-    from inshrinkerator.policies.dynaquant import _steps_since_reference
+    from inshrinkerator.policies.dynaquant import _optimizer_steps, _steps_since_reference
 
     _, states = _states(3)
     leaves = flatten(states[2]).tensors
@@ -843,11 +864,13 @@ def test_steps_since_reference_come_from_the_optimizer_step_counters() -> None:
     references = [earlier.get(format_key_path(leaf.path)) for leaf in leaves]
     assert _steps_since_reference(leaves, references) == 10
     assert _steps_since_reference(leaves, [None] * len(leaves)) is None
+    assert _optimizer_steps(leaves) == 15
     # a model buffer that happens to be called "step" is not an optimizer counter
     counter = {"model": {"step": torch.tensor(100.0)}, "optimizer": {"state": {}}}
     earlier_counter = {"model/step": torch.tensor(0.0)}
     buffer_leaves = flatten(counter).tensors
     assert _steps_since_reference(buffer_leaves, [earlier_counter.get(format_key_path(leaf.path)) for leaf in buffer_leaves]) is None
+    assert _optimizer_steps(buffer_leaves) is None
     with pytest.raises(ValueError, match="first_moment_keep_after"):
         DynaQuant(first_moment_keep_after=-1)
 

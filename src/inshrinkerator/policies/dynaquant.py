@@ -28,7 +28,7 @@ Per checkpoint:
    ``0, +-c_1, ..., +-c_k`` (``k = moment_bins // 2``, ``momentum_bins // 2`` for SGD), so no entry changes sign or more
    than doubles, coded without a reference (moments decorrelate between saves). Pruning in
    ExCP's spirit: at a checkpoint at least ``first_moment_keep_after`` optimizer steps
-   after its reference, ``exp_avg`` keeps only the ``first_moment_keep`` fraction with
+   after the one before it, ``exp_avg`` keeps only the ``first_moment_keep`` fraction with
    the largest ``|m| / sqrt(v)``; with ``joint_moment_mask`` (the default) the others'
    second moments may be stored as 0 too, when that is the smaller encoding, so that
    their whole optimizer state restarts from 0 after a restore (pruning at every
@@ -138,6 +138,8 @@ class _Memory:
     inflation: Optional[float] = None
     #: weight key -> bins it was last stored with (the floor when precision only grows)
     bins: dict[str, int] = field(default_factory=dict)
+    #: the optimizer's ``step`` counter at the last save planned (None: none yet, or no counters)
+    optimizer_steps: Optional[int] = None
 
 
 def _guess_layer_type(leaf: TensorLeaf) -> str:
@@ -215,8 +217,10 @@ class DynaQuant(ParamGroupPolicy):
             digits SGD run within one test image; 8 cost 12% of its full-state ratio).
         first_moment_keep: fraction of Adam's first moment kept (largest ``|m| / sqrt(v)``;
             1 keeps all) at checkpoints ``first_moment_keep_after`` or more optimizer
-            steps after their reference (Adam's ``step`` counters tell); every entry is
-            kept at the others and at full checkpoints (0: prune at every checkpoint).
+            steps after the checkpoint before them (Adam's ``step`` counters tell: the
+            reference's at a delta; at a full checkpoint, the last save this policy object
+            planned, or the optimizer's start for its first); every entry is kept at the
+            others (0: prune at every checkpoint).
         momentum_keep: fraction of an SGD momentum buffer kept (largest magnitude).
         second_moment_bins: log-domain levels of Adam's second moments (``"quantized"``).
         second_moment: ``"quantized"`` (log-domain levels, delta-coded) or ``"factored"``
@@ -367,7 +371,7 @@ class DynaQuant(ParamGroupPolicy):
             codecs[index] = UnchangedCodec()
             eligible[index] = False
         weights = self._plan_weights(leaves, references, layout, eligible, codecs)
-        first_keep = self._first_moment_keep_at(_steps_since_reference(leaves, references))
+        first_keep = self._first_moment_keep_at(self._steps_since_last_checkpoint(leaves, references))
         choices = self._plan_moments(leaves, references, layout, eligible, codecs, first_keep, betas)
         # Encode now (the large tensors in parallel): the writer's encode calls then return at
         # once, and the stored weights' real error (stickiness included) can be checked
@@ -985,9 +989,24 @@ class DynaQuant(ParamGroupPolicy):
         low, high = torch.aminmax(tensor)
         return float(low) >= 0 and float(high) < float("inf")  # NaN fails both
 
+    def _steps_since_last_checkpoint(
+        self, leaves: Sequence[TensorLeaf], references: Sequence[Optional[torch.Tensor]]
+    ) -> Optional[int]:
+        """Optimizer steps since the checkpoint before this one (None without ``step``
+        counters): since the reference at a delta; at a full checkpoint, since the last save
+        this policy planned, or since the optimizer started when there was none (a run's
+        first checkpoint, or the first after a restart). Remembers this save's counter."""
+        counter = _optimizer_steps(leaves)
+        steps = _steps_since_reference(leaves, references)
+        if steps is None and counter is not None:
+            previous = self._memory.optimizer_steps
+            steps = counter - previous if previous is not None and previous <= counter else counter
+        self._memory.optimizer_steps = counter
+        return steps
+
     def _first_moment_keep_at(self, steps: Optional[int]) -> float:
-        """``first_moment_keep`` at a checkpoint ``steps`` optimizer steps after its reference
-        (None: a full checkpoint, or no counters) when that is far enough, else 1."""
+        """``first_moment_keep`` at a checkpoint ``steps`` optimizer steps after the one
+        before it (None: no counters) when that is far enough, else 1."""
         if self.first_moment_keep_after == 0:
             return self.first_moment_keep
         return self.first_moment_keep if steps is not None and steps >= self.first_moment_keep_after else 1.0
@@ -1179,6 +1198,16 @@ def _nbytes(leaf: TensorLeaf) -> int:
 
 def _encoded_size(encoded: Encoded) -> int:
     return sum(len(stream) for stream in encoded.streams)
+
+
+def _optimizer_steps(leaves: Sequence[TensorLeaf]) -> Optional[int]:
+    """The smallest ``step`` counter in the optimizer state (None without finite counters)."""
+    counters = [
+        float(leaf.tensor) for leaf in leaves
+        if leaf.tensor.numel() == 1 and optimizer_entry_name(leaf.path) == "step"
+    ]
+    finite = [counter for counter in counters if math.isfinite(counter)]
+    return int(min(finite)) if finite else None
 
 
 def _steps_since_reference(leaves: Sequence[TensorLeaf], references: Sequence[Optional[torch.Tensor]]) -> Optional[int]:
