@@ -855,6 +855,21 @@ def test_a_full_checkpoint_counts_its_steps_from_the_save_before_it(tmp_path) ->
     assert _kept_first_moment(tmp_path / "fresh", 2) <= 0.11
 
 
+def test_an_older_state_planned_again_does_not_move_the_remembered_counter_back() -> None:
+    # Full checkpoints (no references) of states 5 optimizer steps apart (counters 5 ... 20).
+    _, states = _states(4)
+    leaves = [flatten(state).tensors for state in states]
+    policy = DynaQuant()
+
+    def steps(index: int) -> int:
+        return policy._steps_since_last_checkpoint(leaves[index], [None] * len(leaves[index]))
+
+    assert steps(0) == 5  # the first: since the optimizer started
+    assert steps(1) == 5
+    assert steps(0) == 5  # an older step re-planned (a re-base): counted from the start
+    assert steps(3) == 10  # still from the last save (counter 10), not from the re-based 5
+
+
 def test_steps_since_reference_come_from_the_optimizer_step_counters() -> None:
     from inshrinkerator.policies.dynaquant import _optimizer_steps, _steps_since_reference
 

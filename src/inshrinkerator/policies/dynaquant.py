@@ -995,13 +995,16 @@ class DynaQuant(ParamGroupPolicy):
         """Optimizer steps since the checkpoint before this one (None without ``step``
         counters): since the reference at a delta; at a full checkpoint, since the last save
         this policy planned, or since the optimizer started when there was none (a run's
-        first checkpoint, or the first after a restart). Remembers this save's counter."""
+        first checkpoint, or the first after a restart) or it lies ahead. Remembers this
+        save's counter unless an earlier save's was higher: retention re-plans an older
+        step when it re-bases one, and that is no save of the run's."""
         counter = _optimizer_steps(leaves)
         steps = _steps_since_reference(leaves, references)
+        previous = self._memory.optimizer_steps
         if steps is None and counter is not None:
-            previous = self._memory.optimizer_steps
             steps = counter - previous if previous is not None and previous <= counter else counter
-        self._memory.optimizer_steps = counter
+        if counter is not None and (previous is None or counter >= previous):
+            self._memory.optimizer_steps = counter
         return steps
 
     def _first_moment_keep_at(self, steps: Optional[int]) -> float:
