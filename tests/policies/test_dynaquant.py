@@ -890,6 +890,24 @@ def test_steps_since_reference_come_from_the_optimizer_step_counters() -> None:
         DynaQuant(first_moment_keep_after=-1)
 
 
+def test_a_step_counter_that_is_no_real_number_is_no_counter(tmp_path) -> None:
+    from inshrinkerator.policies.dynaquant import _optimizer_steps, _steps_since_reference
+
+    _, states = _states(2)
+    for state in states:  # a complex "step" (nothing torch writes, but a state may hold it)
+        state["optimizer"]["state"][0]["step"] = torch.tensor(3 + 1j)
+    leaves = flatten(states[1]).tensors
+    references = [_by_key(states[0]).get(format_key_path(leaf.path)) for leaf in leaves]
+    assert _optimizer_steps(leaves) == 10  # the other entries' counters
+    assert _steps_since_reference(leaves, references) == 5
+    manager = ink.CheckpointManager(tmp_path / "run")
+    for step, state in enumerate(states):
+        manager.save(step, state)
+    manager.close()
+    restored = ink.CheckpointManager(tmp_path / "run").load(1)["optimizer"]["state"][0]["step"]
+    assert torch.equal(restored, torch.tensor(3 + 1j))
+
+
 def test_adam_first_moments_and_sgd_momentum_get_their_own_level_counts() -> None:
     for optimizer, key, knob in (("adam", "exp_avg", "moment_bins"), ("sgd", "momentum_buffer", "momentum_bins")):
         _, (state,) = _states(1, optimizer=optimizer)

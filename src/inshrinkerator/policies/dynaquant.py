@@ -1203,14 +1203,20 @@ def _encoded_size(encoded: Encoded) -> int:
     return sum(len(stream) for stream in encoded.streams)
 
 
+def _counter(leaf: TensorLeaf) -> Optional[float]:
+    """The value of an optimizer ``step`` counter (None for any other leaf, or a counter that
+    is not one finite real number)."""
+    tensor = leaf.tensor
+    if tensor.numel() != 1 or tensor.is_complex() or optimizer_entry_name(leaf.path) != "step":
+        return None
+    value = float(tensor)
+    return value if math.isfinite(value) else None
+
+
 def _optimizer_steps(leaves: Sequence[TensorLeaf]) -> Optional[int]:
     """The smallest ``step`` counter in the optimizer state (None without finite counters)."""
-    counters = [
-        float(leaf.tensor) for leaf in leaves
-        if leaf.tensor.numel() == 1 and optimizer_entry_name(leaf.path) == "step"
-    ]
-    finite = [counter for counter in counters if math.isfinite(counter)]
-    return int(min(finite)) if finite else None
+    counters = [value for value in map(_counter, leaves) if value is not None]
+    return int(min(counters)) if counters else None
 
 
 def _steps_since_reference(leaves: Sequence[TensorLeaf], references: Sequence[Optional[torch.Tensor]]) -> Optional[int]:
@@ -1218,11 +1224,10 @@ def _steps_since_reference(leaves: Sequence[TensorLeaf], references: Sequence[Op
     the optimizer state (None at a full checkpoint or without counters)."""
     gaps = []
     for leaf, reference in zip(leaves, references):
-        if reference is None or leaf.tensor.numel() != 1 or reference.numel() != 1:
+        value = _counter(leaf)
+        if value is None or reference is None or reference.numel() != 1 or reference.is_complex():
             continue
-        if optimizer_entry_name(leaf.path) != "step":
-            continue
-        gap = float(leaf.tensor) - float(reference)
+        gap = value - float(reference)
         if math.isfinite(gap):
             gaps.append(gap)
     return int(min(gaps)) if gaps else None
