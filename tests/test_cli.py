@@ -76,6 +76,26 @@ def test_info_shows_per_tensor_sizes_and_ratio(capsys, tmp_path: Path, weights: 
     assert by_key["position_ids"]["stored_bytes"] < by_key["position_ids"]["raw_bytes"] / 4
 
 
+def test_info_splits_a_training_state_by_tensor_class(capsys, tmp_path: Path) -> None:
+    state = training_state(steps=2)
+    ink.save(state, tmp_path / "s.ink", policy="dynaquant")
+    code, out, _ = run(capsys, "info", "--json", str(tmp_path / "s.ink"))
+    assert code == 0
+    summary = json.loads(out)
+    classes = summary["classes"]
+    assert list(classes) == ["weights", "first_moment", "second_moment", "other"]
+    # Every tensor is in exactly one class: the classes add up to the tensors' own sizes.
+    for size in ("raw_bytes", "stored_bytes"):
+        assert sum(c[size] for c in classes.values()) == sum(t[size] for t in summary["tensors"])
+    # One float32 per trained parameter in each of the weights and Adam's two moments; the
+    # BatchNorm running statistics, step counters and the rest are "other".
+    parameters = 4 * sum(entry["exp_avg"].numel() for entry in state["optimizer"]["state"].values())
+    for name in ("weights", "first_moment", "second_moment"):
+        assert classes[name]["raw_bytes"] == parameters
+    code, out, _ = run(capsys, "info", str(tmp_path / "s.ink"))
+    assert "by tensor class" in out and "second moment" in out
+
+
 def test_pt_nested_state_round_trip(capsys, tmp_path: Path) -> None:
     state = training_state(steps=2)
     torch.save(state, tmp_path / "ckpt.pt")

@@ -20,6 +20,7 @@ from .errors import InkError
 from .policies import POLICY_NAMES
 from .serialize import ProgressCallback
 from .single_file import open_container, save
+from .tensor_classes import TENSOR_CLASSES, container_class_bytes
 from .tree import format_key_path, tensor_paths
 
 __all__ = ["main"]
@@ -73,6 +74,7 @@ def _file_summary(path: str) -> dict[str, Any]:
         header = reader.header
         paths = tensor_paths(header.skeleton)
         size = reader.data_start + header.data_bytes
+        classes = container_class_bytes(reader)
     tensors = []
     for index, record in enumerate(header.tensors):
         tensors.append(
@@ -95,6 +97,12 @@ def _file_summary(path: str) -> dict[str, Any]:
         "stored_bytes": size,
         "ratio": raw / max(size, 1),
         "tensors": tensors,
+        # Weights, optimizer moments and the rest (roles from the key paths); the header is
+        # in none of them.
+        "classes": {
+            name: {"raw_bytes": classes.raw[name], "stored_bytes": classes.stored[name]}
+            for name in TENSOR_CLASSES if classes.raw[name]
+        },
     }
 
 
@@ -116,6 +124,16 @@ def _show_file_summary(summary: dict[str, Any]) -> None:
         human_bytes(summary["stored_bytes"]), f"{summary['ratio']:.2f}x",
     )
     _console.print(table)
+    by_class = Table(title="by tensor class (data only)")
+    for column in ("class", "raw", "stored", "ratio"):
+        by_class.add_column(column, justify="left" if column == "class" else "right")
+    for name, sizes in summary["classes"].items():
+        stored = sizes["stored_bytes"]
+        by_class.add_row(
+            name.replace("_", " "), human_bytes(sizes["raw_bytes"]), human_bytes(stored),
+            f"{sizes['raw_bytes'] / stored:.2f}x" if stored else "-",
+        )
+    _console.print(by_class)
 
 
 def _run_summary(path: str) -> list[dict[str, Any]]:
