@@ -323,7 +323,7 @@ def test_first_moments_keep_the_steadiest_entries(tmp_path) -> None:
     # level become 0.
     assert float(m.abs()[restored != 0].sum() / m.abs().sum()) > 0.8
     sgd = _states(1, optimizer="sgd")[1][0]
-    ink.save(sgd, tmp_path / "s.ink", policy=DynaQuant(momentum_keep=0.3))
+    ink.save(sgd, tmp_path / "s.ink", policy=DynaQuant(momentum_keep=0.3, first_moment_keep_after=0))
     buffer = ink.load(tmp_path / "s.ink")["optimizer"]["state"][2]["momentum_buffer"]
     assert 0.25 < float((buffer != 0).float().mean()) < 0.35
 
@@ -868,6 +868,31 @@ def test_an_older_state_planned_again_does_not_move_the_remembered_counter_back(
     assert steps(1) == 5
     assert steps(0) == 5  # an older step re-planned (a re-base): counted from the start
     assert steps(3) == 10  # still from the last save (counter 10), not from the re-based 5
+
+
+def _kept_momentum(run, step) -> float:
+    reader = ink.CheckpointManager(run)
+    buffer = reader.load(step)["optimizer"]["state"][2]["momentum_buffer"]
+    reader.close()
+    return float((buffer != 0).float().mean())
+
+
+@pytest.mark.parametrize("watched, steps, pruned", [(True, 6, True), (True, 5, False), (False, 6, False)])
+def test_sgd_momentum_is_pruned_only_when_the_watch_counts_the_steps(tmp_path, watched, steps, pruned) -> None:
+    # SGD keeps no step counters: the watched model's backward passes since it was watched
+    # (first save) and since the previous save (the delta) are the steps.
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), 0.05, momentum=0.9)
+    manager = ink.CheckpointManager(tmp_path / "run", policy=DynaQuant(first_moment_keep_after=6))
+    if watched:
+        manager.watch(model)
+    for save in range(2):
+        _train(model, optimizer, steps, start=steps * save)
+        manager.save(save, {"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+    manager.close()
+    for save in range(2):
+        kept = _kept_momentum(tmp_path / "run", save)
+        assert kept <= 0.11 if pruned else kept > 0.5
 
 
 def test_steps_since_reference_come_from_the_optimizer_step_counters() -> None:

@@ -143,6 +143,13 @@ class GradientWatch:
 
         return update
 
+    def gradient_steps(self) -> Optional[int]:
+        """The most gradients any watched parameter received since it was watched: the
+        backward passes since (None when no parameter is hooked)."""
+        with self._lock:
+            counts = [entry.steps for entry in self._entries if entry.hooked]
+        return max(counts) if counts else None
+
     def detach(self) -> None:
         """Remove the hooks and forget the averages."""
         for handle in self._handles:
