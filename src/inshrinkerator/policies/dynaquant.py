@@ -226,9 +226,10 @@ class DynaQuant(ParamGroupPolicy):
             others (0: prune at every checkpoint).
         momentum_keep: fraction of an SGD or RMSprop momentum buffer kept (largest
             magnitude), at the checkpoints where ``first_moment_keep`` applies. SGD keeps no
-            ``step`` counters: the steps are the backward passes of the watched model, and
-            without one every entry is kept (on the digits SGD benchmark, 0.1 stored 1.28x
-            fewer bytes at the same accuracy; docs/dynaquant.md).
+            ``step`` counters: the steps are the backward passes of the watched model (with
+            gradient accumulation, several per step: scale ``first_moment_keep_after`` by
+            them), and without one every entry is kept (on the digits SGD benchmark, 0.1
+            stored 1.28x fewer bytes at the same accuracy; docs/dynaquant.md).
         second_moment_bins: log-domain levels of Adam's second moments (``"quantized"``).
         second_moment: ``"quantized"`` (log-domain levels, delta-coded) or ``"factored"``
             (row and column means, Adafactor's estimate, for tensors of 2+ dims; vectors
