@@ -96,6 +96,22 @@ def test_info_splits_a_training_state_by_tensor_class(capsys, tmp_path: Path) ->
     assert "by tensor class" in out and "second moment" in out
 
 
+def test_info_splits_a_run_by_tensor_class_when_asked(capsys, tmp_path: Path) -> None:
+    with ink.CheckpointManager(tmp_path / "run") as mgr:
+        for step in (1, 2):
+            mgr.save(step, training_state(steps=step))
+    code, out, _ = run(capsys, "info", "--json", str(tmp_path / "run"))
+    assert code == 0 and all("classes" not in entry for entry in json.loads(out))  # no header read
+    code, out, _ = run(capsys, "info", "--json", "--classes", str(tmp_path / "run"))
+    entries = json.loads(out)
+    assert [list(entry["classes"]) for entry in entries] == [["weights", "first_moment", "second_moment", "other"]] * 2
+    for entry in entries:
+        assert sum(c["raw_bytes"] for c in entry["classes"].values()) == entry["raw_bytes"]
+        assert sum(c["stored_bytes"] for c in entry["classes"].values()) < entry["stored_bytes"]
+    code, out, _ = run(capsys, "info", "--classes", str(tmp_path / "run"))
+    assert code == 0 and "all steps" in out and "first moment" in out
+
+
 def test_pt_nested_state_round_trip(capsys, tmp_path: Path) -> None:
     state = training_state(steps=2)
     torch.save(state, tmp_path / "ckpt.pt")

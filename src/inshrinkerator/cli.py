@@ -20,7 +20,7 @@ from .errors import InkError
 from .policies import POLICY_NAMES
 from .serialize import ProgressCallback
 from .single_file import open_container, save
-from .tensor_classes import TENSOR_CLASSES, container_class_bytes
+from .tensor_classes import TENSOR_CLASSES, ClassBytes, container_class_bytes
 from .tree import format_key_path, tensor_paths
 
 __all__ = ["main"]
@@ -99,10 +99,7 @@ def _file_summary(path: str) -> dict[str, Any]:
         "tensors": tensors,
         # Weights, optimizer moments and the rest (roles from the key paths); the header is
         # in none of them.
-        "classes": {
-            name: {"raw_bytes": classes.raw[name], "stored_bytes": classes.stored[name]}
-            for name in TENSOR_CLASSES if classes.raw[name]
-        },
+        "classes": _class_sizes(classes),
     }
 
 
@@ -124,22 +121,38 @@ def _show_file_summary(summary: dict[str, Any]) -> None:
         human_bytes(summary["stored_bytes"]), f"{summary['ratio']:.2f}x",
     )
     _console.print(table)
-    by_class = Table(title="by tensor class (data only)")
+    _show_classes("by tensor class (data only)", summary["classes"])
+
+
+def _class_sizes(classes: ClassBytes) -> dict[str, dict[str, int]]:
+    # The JSON form of a class split: the classes that hold anything, in report order.
+    return {
+        name: {"raw_bytes": classes.raw[name], "stored_bytes": classes.stored[name]}
+        for name in TENSOR_CLASSES if classes.raw[name]
+    }
+
+
+def _show_classes(title: str, classes: dict[str, dict[str, int]]) -> None:
+    table = Table(title=title)
     for column in ("class", "raw", "stored", "ratio"):
-        by_class.add_column(column, justify="left" if column == "class" else "right")
-    for name, sizes in summary["classes"].items():
+        table.add_column(column, justify="left" if column == "class" else "right")
+    for name, sizes in classes.items():
         stored = sizes["stored_bytes"]
-        by_class.add_row(
+        table.add_row(
             name.replace("_", " "), human_bytes(sizes["raw_bytes"]), human_bytes(stored),
             f"{sizes['raw_bytes'] / stored:.2f}x" if stored else "-",
         )
-    _console.print(by_class)
+    _console.print(table)
 
 
-def _run_summary(path: str) -> list[dict[str, Any]]:
-    from .store import describe_run
+def _run_summary(path: str, classes: bool) -> list[dict[str, Any]]:
+    from .store import describe_run, run_class_bytes
 
-    return [entry.__dict__ if not hasattr(entry, "_asdict") else entry._asdict() for entry in describe_run(path)]
+    entries = [entry.__dict__ if not hasattr(entry, "_asdict") else entry._asdict() for entry in describe_run(path)]
+    if classes:  # one header read per step
+        by_step = run_class_bytes(path)
+        entries = [{**entry, "classes": _class_sizes(by_step[entry["step"]])} for entry in entries]
+    return entries
 
 
 def _show_run_summary(path: str, entries: list[dict[str, Any]]) -> None:
@@ -158,11 +171,18 @@ def _show_run_summary(path: str, entries: list[dict[str, Any]]) -> None:
     table.add_section()
     table.add_row("all", "", "", human_bytes(raw), human_bytes(stored), f"{raw / max(stored, 1):.2f}x", "")
     _console.print(table)
+    if entries and "classes" in entries[0]:
+        total = ClassBytes()
+        for e in entries:
+            for name, sizes in e["classes"].items():
+                total.raw[name] += sizes["raw_bytes"]
+                total.stored[name] += sizes["stored_bytes"]
+        _show_classes("by tensor class, all steps (data only)", _class_sizes(total))
 
 
 def cmd_info(args: argparse.Namespace) -> int:
     if _is_run(args.path):
-        entries = _run_summary(args.path)
+        entries = _run_summary(args.path, args.classes)
         _print_json(entries) if args.json else _show_run_summary(args.path, entries)
     else:
         summary = _file_summary(args.path)
@@ -306,6 +326,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     info = command("info", "show what a file or a run holds: sizes, kinds, ratios, policy")
     info.add_argument("path", help="an .ink file or a run directory / URL")
+    info.add_argument(
+        "--classes", action="store_true",
+        help="for a run: each step's bytes by tensor class too (reads every step's header; a file always shows them)",
+    )
     info.set_defaults(handler=cmd_info)
 
     verify = command("verify", "check every checksum and that everything restores (exit 1 on failure)")

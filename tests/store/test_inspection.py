@@ -6,9 +6,10 @@ import pytest
 
 import inshrinkerator as ink
 from inshrinkerator.errors import CheckpointNotFoundError
-from inshrinkerator.store import CheckpointManager, describe_run, is_run, verify_run
+from inshrinkerator.store import CheckpointManager, describe_run, is_run, run_class_bytes, verify_run
 from inshrinkerator.store.manifest import manifest_name
 
+from ..helpers import training_state
 from .support import state_for
 
 
@@ -22,6 +23,22 @@ def test_describe_lists_every_step_with_sizes_and_kinds(run_url: str) -> None:
         assert entry.ratio == pytest.approx(entry.raw_bytes / entry.stored_bytes)
         assert entry.policy == "lossless" and entry.created.endswith("+00:00")
         assert set(vars(entry)) >= {"step", "kind", "base_step", "raw_bytes", "stored_bytes", "ratio", "policy", "created"}
+
+
+def test_run_class_bytes_splits_each_step_from_its_header(run_url: str) -> None:
+    states = [training_state(steps=steps) for steps in (2, 4, 6)]
+    with CheckpointManager(run_url, full_every=2) as mgr:
+        infos = [mgr.save(step, state) for step, state in enumerate(states)]
+    by_step = run_class_bytes(run_url)
+    assert list(by_step) == [0, 1, 2]
+    parameters = 4 * sum(entry["exp_avg"].numel() for entry in states[0]["optimizer"]["state"].values())
+    for info, entry, classes in zip(infos, describe_run(run_url), by_step.values()):
+        assert classes.containers == 1
+        assert sum(classes.raw.values()) == info.raw_bytes  # every tensor in one class
+        # The tensors' data: less than the step's files (a header, a manifest), never nothing.
+        assert 0 < sum(classes.stored.values()) < entry.stored_bytes
+        for name in ("weights", "first_moment", "second_moment"):
+            assert classes.raw[name] == parameters
 
 
 def test_is_run_tells_runs_from_everything_else(tmp_path, run_url: str) -> None:

@@ -9,12 +9,13 @@ import torch
 
 from ..errors import CheckpointNotFoundError, InkError
 from ..serialize import reference_map
-from .chain import load_step, read_step_state
+from ..tensor_classes import ClassBytes, container_class_bytes
+from .chain import load_step, open_step, read_step_state
 from .commit import holds_run, list_steps, read_manifest
 from .manifest import MAX_MANIFEST_BYTES, RUN_MARKER, StepManifest, parse_run_marker
 from .storage import RunLocation, open_storage
 
-__all__ = ["RunEntry", "describe_run", "verify_run", "is_run"]
+__all__ = ["RunEntry", "describe_run", "run_class_bytes", "verify_run", "is_run"]
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,23 @@ def describe_run(url: RunLocation) -> list[RunEntry]:
     """
     storage, names = _open_run(url)
     return [RunEntry.of(read_manifest(storage, step)) for step in list_steps(storage, names)]
+
+
+def run_class_bytes(url: RunLocation) -> dict[int, ClassBytes]:
+    """Each committed step's raw and stored bytes by tensor class (weights, first and second
+    moments, other), read from its data file's header: no tensor is decoded.
+
+    Raises:
+        CheckpointNotFoundError: ``url`` holds no run.
+        CorruptCheckpointError: a manifest or a data file's header is damaged, or a data
+            file is missing.
+    """
+    storage, names = _open_run(url)
+    classes = {}
+    for step in list_steps(storage, names):
+        with open_step(storage, read_manifest(storage, step)) as reader:
+            classes[step] = container_class_bytes(reader)
+    return classes
 
 
 def _marker_problems(storage: Any, names: list[str]) -> list[str]:
