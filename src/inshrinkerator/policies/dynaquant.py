@@ -1021,13 +1021,13 @@ class DynaQuant(ParamGroupPolicy):
         steps = _steps_since_reference(leaves, references)
         previous = self._memory.optimizer_steps
         if steps is None and counter is not None:
-            steps = counter - previous if previous is not None and previous <= counter else counter
+            steps = _steps_since(counter, previous)
         if counter is not None and (previous is None or counter >= previous):
             self._memory.optimizer_steps = counter
         passes, before = self._memory.watch.gradient_steps(), self._memory.watched_steps
         self._memory.watched_steps = passes
         if counter is None and passes is not None:
-            steps = passes - before if before is not None and before <= passes else passes
+            steps = _steps_since(passes, before)
         return steps
 
     def _keep_at(self, keep: float, steps: Optional[int]) -> float:
@@ -1240,6 +1240,12 @@ def _optimizer_steps(leaves: Sequence[TensorLeaf]) -> Optional[int]:
     """The smallest ``step`` counter in the optimizer state (None without finite counters)."""
     counters = [value for value in map(_counter, leaves) if value is not None]
     return int(min(counters)) if counters else None
+
+
+def _steps_since(count: int, previous: Optional[int]) -> int:
+    """Steps from a count remembered at the last save to ``count``; ``count`` itself (steps
+    since the count started) when there is none or it lies ahead (a restart)."""
+    return count - previous if previous is not None and previous <= count else count
 
 
 def _steps_since_reference(leaves: Sequence[TensorLeaf], references: Sequence[Optional[torch.Tensor]]) -> Optional[int]:
