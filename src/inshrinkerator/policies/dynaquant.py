@@ -440,8 +440,52 @@ class DynaQuant(ParamGroupPolicy):
                 self._memory,
             )
         if weights is not None:
+            self._store_changes_where_smaller(leaves, references, layout, codecs, weights, encoded)
             self._check_stored_weights(leaves, references, codecs, weights, encoded)
         return codecs
+
+    def _store_changes_where_smaller(
+        self,
+        leaves: Sequence[TensorLeaf],
+        references: Sequence[Optional[torch.Tensor]],
+        layout: StateLayout,
+        codecs: list[Codec],
+        weights: "_WeightPlan",
+        encoded: dict[int, Any],
+    ) -> None:
+        """A moving weight whose level ids cost more than ``CHANGE_TRIAL_BITS`` per element is
+        also encoded as its change since the reference (``residual_bins``, as for a weight
+        that moved less than its levels' spacing), and stored so where that is smaller and
+        within its own budget.
+
+        Level ids pay for every cell an element crosses; a change coded on its own levels
+        costs about the same per element however far it went, with an error that is a
+        share of the change. Where weights cross several cells between checkpoints (the
+        char GPT from its third checkpoint on) the change is the smaller encoding, at an
+        error no larger (docs/dynaquant.md, *Weights stored as their change*).
+        """
+        candidates = [
+            i for i in weights.indices
+            if i in weights.moving and isinstance(codecs[i], DynaQuantDeltaCodec)
+            and 8 * _encoded_size(encoded[i]) > CHANGE_TRIAL_BITS * leaves[i].tensor.numel()
+        ]
+        if not candidates:
+            return
+
+        def as_change(index: int) -> tuple[ResidualCodec, Encoded]:
+            _, codec = self._residual_codec(
+                leaves, references, layout, index, weights.trials[index], weights.cube.own_budget(index)
+            )
+            return codec, codec.prepare(leaves[index].tensor, references[index])
+
+        changed = 0
+        for index, (codec, change) in zip(candidates, parallel_map_sized(
+            as_change, candidates, [_nbytes(leaves[i]) for i in candidates]
+        )):
+            if _encoded_size(change) < _encoded_size(encoded[index]) and weights.within_own_budget(index, change):
+                codecs[index], encoded[index] = codec, change
+                changed += 1
+        weights.record.config["change_coded_tensors"] = changed
 
     def _check_stored_weights(
         self,
@@ -455,7 +499,7 @@ class DynaQuant(ParamGroupPolicy):
         record = weights.record
         stored = weights.stored_quality(encoded)
         record.stored_quality, record.stickiness = stored, self.stickiness
-        sticky = [i for i in weights.indices if codecs[i].uses_reference and self.stickiness > 0]
+        sticky = [i for i in weights.indices if isinstance(codecs[i], DynaQuantDeltaCodec) and self.stickiness > 0]
         if sticky and record.quality:
             self._memory.inflation = max(stored / record.quality, 1.0) if record.quality > 0 else None
         if stored <= weights.budget or not sticky:
@@ -744,7 +788,7 @@ class DynaQuant(ParamGroupPolicy):
                 protect_mask=result.protect_mask,
                 stats=self._memory.entropy,
             )
-        return _WeightPlan(indices, trials, cube, record, budget, self.evaluate, scales)
+        return _WeightPlan(indices, trials, cube, record, budget, self.evaluate, scales, moving)
 
     @staticmethod
     def _describe(
@@ -1186,6 +1230,11 @@ class _SecondMomentChoice:
         return self.whole.adopt(memory), first.adopt(memory)
 
 
+#: A moving weight is also encoded as its change since the reference where its level ids
+#: cost more than this many bits per element: a change on ``residual_bins`` = 10 levels
+#: costs ~2.3-3 bits per element on the benchmark's workloads, so below this it cannot win.
+CHANGE_TRIAL_BITS = 1.5
+
 #: The grouped first moment is only encoded where it could make the whole second moment's
 #: pair the smaller one: the joint encoding's lead is under this share of the first
 #: moment's plain bytes.
@@ -1354,22 +1403,30 @@ class _WeightPlan:
     budget: float
     evaluate: Optional[Callable[[dict[str, torch.Tensor]], float]]
     scales: dict[int, float]
+    #: the weights that moved since their reference (each has a movement budget)
+    moving: set[int]
 
     def stored_quality(self, encoded: dict[int, Any]) -> float:
         """The quality measure of the weights as stored (the proxy, or ``evaluate``)."""
         if self.evaluate is not None:
             return self.cube.relative_loss({i: encoded[i].reconstruction for i in self.indices})
-        worst = 0.0
-        for index in self.indices:
-            trial = self.trials[index]
-            difference = encoded[index].reconstruction.reshape(-1).float() - trial.flat.float()
+        return max((self._error(i, encoded[i]) / self.scales.get(i, 1.0) for i in self.indices), default=0.0)
+
+    def within_own_budget(self, index: int, encoded: Encoded) -> bool:
+        """Whether weight ``index`` as ``encoded`` stays within the error it may have alone."""
+        return self._error(index, encoded) <= self.cube.own_budget(index)
+
+    def _error(self, index: int, encoded: Encoded) -> float:
+        """The proxy's relative error of weight ``index`` as ``encoded``: the larger of the
+        plain and the Fisher-weighted one."""
+        trial = self.trials[index]
+        difference = encoded.reconstruction.reshape(-1).float() - trial.flat.float()
+        plain = float(torch.dot(difference, difference))
+        if not math.isfinite(plain):  # non-finite weights are stored exactly (protected)
+            difference = torch.where(torch.isfinite(difference), difference, 0.0)
             plain = float(torch.dot(difference, difference))
-            if not math.isfinite(plain):  # non-finite weights are stored exactly (protected)
-                difference = torch.where(torch.isfinite(difference), difference, 0.0)
-                plain = float(torch.dot(difference, difference))
-            error = plain / max(trial.total_plain, 1e-300)
-            if trial.weights is not None:
-                weighted = float(torch.dot(difference * trial.weights, difference))
-                error = max(error, weighted / max(trial.total, 1e-300))
-            worst = max(worst, error / self.scales.get(index, 1.0))
-        return worst
+        error = plain / max(trial.total_plain, 1e-300)
+        if trial.weights is not None:
+            weighted = float(torch.dot(difference * trial.weights, difference))
+            error = max(error, weighted / max(trial.total, 1e-300))
+        return error
