@@ -581,6 +581,37 @@ def test_movement_share_bounds_what_a_moved_weight_may_lose(spread) -> None:
     assert loose_error > tight_error and loose_bytes < 0.8 * tight_bytes
 
 
+@pytest.mark.parametrize("spread, as_change", [(0.3, True), (0.1, False)], ids=["far", "near"])
+def test_a_weight_that_crossed_many_cells_is_stored_as_its_change_where_that_is_smaller(
+    monkeypatch, spread, as_change
+) -> None:
+    # Moved 0.3 of its spread, model/3.weight's level ids cost ~3.6 bits per element and its
+    # change on 10 levels ~3.2: the change is stored. Moved 0.1, the ids cost ~2.7 bits, the
+    # change is encoded too but loses, and the level ids stay.
+    from inshrinkerator.codecs import ResidualCodec
+    import inshrinkerator.policies.dynaquant as dynaquant_module
+
+    config, error, size = _moved_weight_coding(DynaQuant(), spread)
+    assert config["change_coded_tensors"] == int(as_change)
+    assert error <= 0.1  # within movement_share of the squared movement either way
+    monkeypatch.setattr(dynaquant_module, "CHANGE_TRIAL_BITS", float("inf"))  # never tried
+    levels_config, levels_error, levels_size = _moved_weight_coding(DynaQuant(), spread)
+    assert "change_coded_tensors" not in levels_config
+    if as_change:
+        assert size < levels_size and error != levels_error
+    else:
+        assert (size, error) == (levels_size, levels_error)
+    # The codec the writer gets is the one that was measured.
+    _, (state,) = _states(1)
+    flat = flatten(state)
+    keys = [format_key_path(leaf.path) for leaf in flat.tensors]
+    monkeypatch.undo()
+    weight = flat.tensors[keys.index("model/3.weight")].tensor
+    reference = weight + spread * weight.std() * torch.randn(weight.shape, generator=torch.Generator().manual_seed(3))
+    codecs = DynaQuant().plan(flat.tensors, [reference if key == "model/3.weight" else None for key in keys])
+    assert isinstance(codecs[keys.index("model/3.weight")], ResidualCodec) == as_change
+
+
 def _train_two_layers(model: torch.nn.Module, optimizer: torch.optim.Optimizer, start: int) -> None:
     for step in range(start, start + 3):
         x = torch.randn(32, 64, generator=torch.Generator().manual_seed(step))
