@@ -612,6 +612,41 @@ def test_a_weight_that_crossed_many_cells_is_stored_as_its_change_where_that_is_
     assert isinstance(codecs[keys.index("model/3.weight")], ResidualCodec) == as_change
 
 
+def test_the_entropy_figures_count_the_encodings_stored_not_those_discarded(monkeypatch) -> None:
+    # model/3.weight moved 0.3 of its spread: its level ids are encoded, then its change,
+    # which is stored. The policy's entropy figures count the change's coded symbols, not
+    # the discarded ids'; everything else is planned alike with and without the change trial.
+    from inshrinkerator.codecs import ResidualCodec
+    from inshrinkerator.codecs.bucket_delta import EntropyStats
+    import inshrinkerator.policies.dynaquant as dynaquant_module
+
+    _, (state,) = _states(1)
+    flat = flatten(state)
+    keys = [format_key_path(leaf.path) for leaf in flat.tensors]
+    index = keys.index("model/3.weight")
+    weight = flat.tensors[index].tensor
+    reference = weight + 0.3 * weight.std() * torch.randn(weight.shape, generator=torch.Generator().manual_seed(3))
+    references = [reference if key == "model/3.weight" else None for key in keys]
+
+    def payload_counted(codec) -> int:
+        # The coded symbols' bytes of one more encoding of ``codec``, counted apart.
+        stats = EntropyStats()
+        inner = codec._inner if isinstance(codec, ResidualCodec) else codec  # noqa: SLF001
+        counted = type(inner).from_config(inner.get_config())
+        counted._hints = {**inner._hints, "stats": stats}  # noqa: SLF001
+        (ResidualCodec(counted) if isinstance(codec, ResidualCodec) else counted).encode(weight, reference)
+        return stats.payload_bytes
+
+    with_change = DynaQuant()
+    change = with_change.plan(flat.tensors, references)[index]
+    monkeypatch.setattr(dynaquant_module, "CHANGE_TRIAL_BITS", float("inf"))
+    levels_only = DynaQuant()
+    levels = levels_only.plan(flat.tensors, references)[index]
+    assert isinstance(change, ResidualCodec) and isinstance(levels, DynaQuantDeltaCodec)
+    counted = with_change.entropy_stats.payload_bytes - levels_only.entropy_stats.payload_bytes
+    assert counted == payload_counted(change) - payload_counted(levels) < 0
+
+
 def _train_two_layers(model: torch.nn.Module, optimizer: torch.optim.Optimizer, start: int) -> None:
     for step in range(start, start + 3):
         x = torch.randn(32, 64, generator=torch.Generator().manual_seed(step))

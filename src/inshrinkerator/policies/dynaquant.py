@@ -442,6 +442,8 @@ class DynaQuant(ParamGroupPolicy):
         if weights is not None:
             self._store_changes_where_smaller(leaves, references, layout, codecs, weights, encoded)
             self._check_stored_weights(leaves, references, codecs, weights, encoded)
+            for stats in weights.stats.values():
+                self._memory.entropy.merge(stats)
         return codecs
 
     def _store_changes_where_smaller(
@@ -472,18 +474,19 @@ class DynaQuant(ParamGroupPolicy):
         if not candidates:
             return
 
-        def as_change(index: int) -> tuple[ResidualCodec, Encoded]:
+        def as_change(index: int) -> tuple[ResidualCodec, Encoded, EntropyStats]:
+            stats = EntropyStats()
             _, codec = self._residual_codec(
-                leaves, references, layout, index, weights.trials[index], weights.cube.own_budget(index)
+                leaves, references, layout, index, weights.trials[index], weights.cube.own_budget(index), stats
             )
-            return codec, codec.prepare(leaves[index].tensor, references[index])
+            return codec, codec.prepare(leaves[index].tensor, references[index]), stats
 
         changed = 0
-        for index, (codec, change) in zip(candidates, parallel_map_sized(
+        for index, (codec, change, stats) in zip(candidates, parallel_map_sized(
             as_change, candidates, [_nbytes(leaves[i]) for i in candidates]
         )):
             if _encoded_size(change) < _encoded_size(encoded[index]) and weights.within_own_budget(index, change):
-                codecs[index], encoded[index] = codec, change
+                codecs[index], encoded[index], weights.stats[index] = codec, change, stats
                 changed += 1
         weights.record.config["change_coded_tensors"] = changed
 
@@ -507,7 +510,8 @@ class DynaQuant(ParamGroupPolicy):
         for index in sticky:
             codec = codecs[index]
             plain = type(codec).from_config({**codec.get_config(), "stickiness": 0.0})
-            plain._hints = codec._hints  # noqa: SLF001 - same hints, no stickiness
+            weights.stats[index] = EntropyStats()  # the figures of the encoding stored
+            plain._hints = {**codec._hints, "stats": weights.stats[index]}  # noqa: SLF001 - same hints, no stickiness
             codecs[index] = plain
         again = parallel_map_sized(
             lambda i: codecs[i].prepare(leaves[i].tensor, references[i]), sticky, [_nbytes(leaves[i]) for i in sticky]
@@ -549,10 +553,12 @@ class DynaQuant(ParamGroupPolicy):
         index: int,
         weight: WeightTrial,
         allowed: float,
+        stats: EntropyStats,
     ) -> tuple[int, ResidualCodec]:
         """``(levels, codec)``: weight ``index`` stored as its change since the reference, on
         the fewest of ``residual_bins`` levels whose error stays within ``allowed``
         (relative to the weight, as the search judges it); the first (most) when none does.
+        ``stats`` collects the entropy figures of its encoding.
 
         Such a weight moved less than its own levels' spacing, and its budget is a share
         of that movement (``movement_share``, 0.1). The default grid is one entry, 10 levels
@@ -562,7 +568,8 @@ class DynaQuant(ParamGroupPolicy):
         """
         if len(self.residual_bins) == 1:  # nothing to choose
             bins = self.residual_bins[0]
-            return bins, ResidualCodec(DynaQuantCodec(bins=bins, prune=0.0, protect=0.0, sigma=self.sigma))
+            inner = DynaQuantCodec(bins=bins, prune=0.0, protect=0.0, sigma=self.sigma)
+            return bins, ResidualCodec(inner.with_hints(stats=stats))
         tensor = leaves[index].tensor.detach()
         compute = working_dtype(tensor.dtype)
         reference = references[index].detach().to(tensor.device)  # type: ignore[union-attr]
@@ -587,7 +594,7 @@ class DynaQuant(ParamGroupPolicy):
         inner = DynaQuantCodec(bins=bins, prune=0.0, protect=0.0, sigma=self.sigma)
         return bins, ResidualCodec(inner.with_hints(
             counts=trial.counts, centroids=table.centroids(), prune_below=table.prune_below,
-            protect_above=table.protect_above,
+            protect_above=table.protect_above, stats=stats,
         ))
 
     def _frozen(self, leaves: Sequence[TensorLeaf], layout: StateLayout, indices: list[int]) -> tuple[list[int], set[int]]:
@@ -726,7 +733,10 @@ class DynaQuant(ParamGroupPolicy):
             residual = [i for i in hard if i in moving]
             allowed = {i: cube.own_budget(i) for i in residual}
             coded = parallel_map_sized(
-                lambda i: self._residual_codec(leaves, references, layout, i, trials[i], allowed[i]), residual,
+                lambda i: self._residual_codec(
+                    leaves, references, layout, i, trials[i], allowed[i], self._memory.entropy
+                ),
+                residual,
                 [_nbytes(leaves[i]) for i in residual],
             )
             for index, (levels, codec) in zip(residual, coded):
@@ -766,6 +776,9 @@ class DynaQuant(ParamGroupPolicy):
         if point is None:
             return None  # nothing meets the tolerance: the weights stay lossless this time
         self._memory.best = (point, metric)
+        # Each weight's entropy figures are held apart until its encoding is chosen (a moving
+        # weight may be stored as its change instead).
+        stats = {index: EntropyStats() for index in indices}
         for index in indices:
             result = cube.result(index, point, metric)
             trial = trials[index]
@@ -786,9 +799,9 @@ class DynaQuant(ParamGroupPolicy):
                 protect_above=table.protect_above,
                 prune_mask=result.prune_mask,
                 protect_mask=result.protect_mask,
-                stats=self._memory.entropy,
+                stats=stats[index],
             )
-        return _WeightPlan(indices, trials, cube, record, budget, self.evaluate, scales, moving)
+        return _WeightPlan(indices, trials, cube, record, budget, self.evaluate, scales, moving, stats)
 
     @staticmethod
     def _describe(
@@ -1405,6 +1418,8 @@ class _WeightPlan:
     scales: dict[int, float]
     #: the weights that moved since their reference (each has a movement budget)
     moving: set[int]
+    #: each weight's entropy figures, of the encoding to be stored
+    stats: dict[int, EntropyStats]
 
     def stored_quality(self, encoded: dict[int, Any]) -> float:
         """The quality measure of the weights as stored (the proxy, or ``evaluate``)."""
