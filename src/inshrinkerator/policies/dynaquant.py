@@ -1245,7 +1245,7 @@ class _SecondMomentChoice:
 
 #: A moving weight is also encoded as its change since the reference where its level ids
 #: cost more than this many bits per element: a change on ``residual_bins`` = 10 levels
-#: costs ~2.3-3 bits per element on the benchmark's workloads, so below this it cannot win.
+#: cost 2.3-3.3 bits per element on the benchmark's workloads, so below this it cannot win.
 CHANGE_TRIAL_BITS = 1.5
 
 #: The grouped first moment is only encoded where it could make the whole second moment's
