@@ -1088,8 +1088,8 @@ class DynaQuant(ParamGroupPolicy):
         return steps
 
     def _keep_at(self, keep: float, steps: Optional[int]) -> float:
-        """The fraction ``keep`` of a first moment at a checkpoint ``steps`` training steps
-        after the one before it (None: unknown) when that is far enough, else 1."""
+        """The fraction ``keep`` of a first moment or momentum buffer at a checkpoint ``steps``
+        training steps after the one before it (None: unknown) when that is far enough, else 1."""
         if self.first_moment_keep_after == 0:
             return keep
         return keep if steps is not None and steps >= self.first_moment_keep_after else 1.0
