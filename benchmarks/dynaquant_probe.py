@@ -48,7 +48,7 @@ from inshrinkerator.codecs.bucket_delta import EntropyStats
 from inshrinkerator.codecs.raw import tensor_bytes, tensor_from_bytes
 from inshrinkerator.codecs.registry import register_codec
 from inshrinkerator.policies import DynaQuant, Lossless, Policy
-from inshrinkerator.policies import dynaquant as dynaquant_module
+from inshrinkerator.policies import dynaquant_moments, dynaquant_weights
 from inshrinkerator.policies import quantization_trials
 from inshrinkerator.policies.state_layout import TensorRole, layout_of
 from inshrinkerator.tree import TensorLeaf
@@ -133,9 +133,9 @@ class ProbePolicy(Policy):
 
 
 _CONSTANTS = {
-    "second_protect": (dynaquant_module, "SECOND_MOMENT_PROTECT"),
+    "second_protect": (dynaquant_moments, "SECOND_MOMENT_PROTECT"),
     "prune_penalty": (quantization_trials, "PRUNE_PENALTY"),
-    "proxy_scale": (dynaquant_module, "PROXY_SCALE"),
+    "proxy_scale": (dynaquant_weights, "PROXY_SCALE"),
 }
 _DEFAULT_CONSTANTS = {name: getattr(module, attr) for name, (module, attr) in _CONSTANTS.items()}
 

@@ -463,12 +463,12 @@ def test_first_moment_levels_are_the_fit_of_the_folded_histogram(bins) -> None:
     # whole folded (all-positive) key space gives: a fit, then refits without the zero cell.
     from inshrinkerator.codecs.log_sketch import MAGNITUDE_KEYS, SIGNED_KEYS, magnitude_keys, signed_keys
     from inshrinkerator.codecs.nonuniform_quantizer import LINEAR, fit_centroids
-    from inshrinkerator.policies.dynaquant import _zero_level_hints_for
+    from inshrinkerator.policies.first_moment_levels import zero_level_hints_for
 
     moment = torch.randn(20_000, generator=torch.Generator().manual_seed(bins)) * 1e-4
     moment[::4] = 0.0
     counts = torch.bincount(signed_keys(moment), minlength=SIGNED_KEYS)
-    hints = _zero_level_hints_for(counts, bins, 1.0)
+    hints = zero_level_hints_for(counts, bins, 1.0)
     magnitude = counts[:MAGNITUDE_KEYS] + counts[MAGNITUDE_KEYS:]
     folded = torch.cat([magnitude, torch.zeros_like(magnitude)])
     half = bins // 2
@@ -484,7 +484,7 @@ def test_first_moment_levels_are_the_fit_of_the_folded_histogram(bins) -> None:
 
 def test_first_moment_levels_fitted_together_are_those_fitted_alone() -> None:
     from inshrinkerator.codecs.log_sketch import SIGNED_KEYS, signed_keys
-    from inshrinkerator.policies.dynaquant import _zero_level_hints_batch, _zero_level_hints_for
+    from inshrinkerator.policies.first_moment_levels import zero_level_hints_batch, zero_level_hints_for
 
     generator = torch.Generator().manual_seed(0)
     histograms = []
@@ -493,9 +493,9 @@ def test_first_moment_levels_fitted_together_are_those_fitted_alone() -> None:
         moment[::3] = 0.0
         histograms.append((torch.bincount(signed_keys(moment), minlength=SIGNED_KEYS), bins))
     histograms.append((torch.zeros(SIGNED_KEYS, dtype=torch.long), 8))  # an all-zero moment
-    together = _zero_level_hints_batch(histograms, 0.5)
+    together = zero_level_hints_batch(histograms, 0.5)
     for (counts, bins), hints in zip(histograms, together):
-        alone = _zero_level_hints_for(counts, bins, 0.5)
+        alone = zero_level_hints_for(counts, bins, 0.5)
         assert hints.keys() == alone.keys()
         for name, value in alone.items():
             assert torch.equal(hints[name], value) if isinstance(value, torch.Tensor) else hints[name] == value
@@ -589,12 +589,12 @@ def test_a_weight_that_crossed_many_cells_is_stored_as_its_change_where_that_is_
     # change on 10 levels ~3.2: the change is stored. Moved 0.1, the ids cost ~2.7 bits, the
     # change is encoded too but loses, and the level ids stay.
     from inshrinkerator.codecs import ResidualCodec
-    import inshrinkerator.policies.dynaquant as dynaquant_module
+    import inshrinkerator.policies.dynaquant_weights as weights_module
 
     config, error, size = _moved_weight_coding(DynaQuant(), spread)
     assert config["change_coded_tensors"] == int(as_change)
     assert error <= 0.1  # within movement_share of the squared movement either way
-    monkeypatch.setattr(dynaquant_module, "CHANGE_TRIAL_BITS", float("inf"))  # never tried
+    monkeypatch.setattr(weights_module, "CHANGE_TRIAL_BITS", float("inf"))  # never tried
     levels_config, levels_error, levels_size = _moved_weight_coding(DynaQuant(), spread)
     assert "change_coded_tensors" not in levels_config
     if as_change:
@@ -618,7 +618,7 @@ def test_the_entropy_figures_count_the_encodings_stored_not_those_discarded(monk
     # the discarded ids'; everything else is planned alike with and without the change trial.
     from inshrinkerator.codecs import ResidualCodec
     from inshrinkerator.codecs.bucket_delta import EntropyStats
-    import inshrinkerator.policies.dynaquant as dynaquant_module
+    import inshrinkerator.policies.dynaquant_weights as weights_module
 
     _, (state,) = _states(1)
     flat = flatten(state)
@@ -639,7 +639,7 @@ def test_the_entropy_figures_count_the_encodings_stored_not_those_discarded(monk
 
     with_change = DynaQuant()
     change = with_change.plan(flat.tensors, references)[index]
-    monkeypatch.setattr(dynaquant_module, "CHANGE_TRIAL_BITS", float("inf"))
+    monkeypatch.setattr(weights_module, "CHANGE_TRIAL_BITS", float("inf"))
     levels_only = DynaQuant()
     levels = levels_only.plan(flat.tensors, references)[index]
     assert isinstance(change, ResidualCodec) and isinstance(levels, DynaQuantDeltaCodec)
@@ -834,7 +834,8 @@ def test_a_chain_of_jointly_masked_moments_restores_at_every_step(tmp_path) -> N
 def test_the_second_moment_choice_settles_on_the_smaller_encoding() -> None:
     from inshrinkerator.codecs.base import Encoded
     from inshrinkerator.codecs.bucket_delta import EntropyStats
-    from inshrinkerator.policies.dynaquant import _Candidate, _Memory, _SecondMomentChoice
+    from inshrinkerator.policies.dynaquant import _Memory
+    from inshrinkerator.policies.dynaquant_moments import _Candidate, _SecondMomentChoice
 
     def candidate(codec):
         return _Candidate(codec, EntropyStats(), {})
@@ -860,7 +861,7 @@ def test_the_second_moment_choice_settles_on_the_smaller_encoding() -> None:
 
 
 def test_the_joint_mask_needs_betas_that_keep_a_restart_s_steps_within_twice() -> None:
-    from inshrinkerator.policies.dynaquant import RESTART_STEP_GROWTH, restart_step_growth
+    from inshrinkerator.policies.dynaquant_moments import RESTART_STEP_GROWTH, restart_step_growth
 
     assert 1.9 < restart_step_growth((0.9, 0.95)) <= RESTART_STEP_GROWTH == 2.0
     assert 13.0 < restart_step_growth([0.9, 0.999]) < 14.0

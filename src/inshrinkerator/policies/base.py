@@ -8,7 +8,7 @@ from typing import Any, ClassVar, Optional
 
 import torch
 
-from ..codecs.base import Codec
+from ..codecs.base import Codec, Encoded
 from ..tree import KeyPath, TensorLeaf
 from .state_layout import param_group_ids, param_group_option
 
@@ -98,3 +98,20 @@ class ParamGroupPolicy(Policy):
         param_groups: Optional[dict[KeyPath, list[list[int]]]],
     ) -> list[Codec]:
         """One codec per leaf; ``param_groups`` as :func:`~.state_layout.layout_of` takes them."""
+
+
+def usable_reference(tensor: torch.Tensor, reference: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """``reference`` when a codec can encode ``tensor`` against it (same dtype and shape), else None."""
+    if reference is None or reference.dtype != tensor.dtype or reference.shape != tensor.shape:
+        return None
+    return reference
+
+
+def leaf_nbytes(leaf: TensorLeaf) -> int:
+    """The bytes of a leaf's tensor as it is held (what a planner shares out work by)."""
+    return leaf.tensor.numel() * leaf.tensor.element_size()
+
+
+def encoded_size(encoded: Encoded) -> int:
+    """The bytes of an encoding's streams."""
+    return sum(len(stream) for stream in encoded.streams)

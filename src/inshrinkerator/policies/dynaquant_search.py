@@ -29,6 +29,7 @@ import heapq
 import itertools
 import math
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -54,9 +55,24 @@ __all__ = [
     "guided_search",
     "neighbourhood_search",
     "exhaustive_search",
+    "SearchRecord",
 ]
 
 Point = tuple[int, ...]
+
+
+@dataclass
+class SearchRecord:
+    """What one save's configuration search did; its cost is ``evaluations`` and ``seconds``."""
+
+    kind: str  # "guided", "neighbourhood" or "neighbourhood+exhaustive"
+    evaluations: int
+    seconds: float
+    config: dict[str, Any]
+    quality: Optional[float]  # of the nearest-level quantization the search judged
+    feasible: bool
+    stored_quality: Optional[float] = None  # of what was stored (stickiness included)
+    stickiness: float = 0.0  # what the deltas used (0 after a fallback)
 
 
 def _dominates(a: Point, b: Point) -> bool:

@@ -1,0 +1,512 @@
+"""DynaQuant's weights: which levels each weight is stored on, or whether it is stored as
+its change since the reference, or as that reference (docs/dynaquant.md, *The quantizer*,
+*The configuration search*)."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from ..codecs import Codec, ResidualCodec
+from ..codecs._parallel import parallel_map_sized
+from ..codecs.base import Encoded
+from ..codecs.bucket_delta import EntropyStats
+from ..codecs.dynaquant import DynaQuantCodec, DynaQuantDeltaCodec
+from ..codecs.lossy_input import working_dtype
+from ..codecs.unchanged import UnchangedCodec
+from ..tree import TensorLeaf, format_key_path
+from .base import encoded_size, leaf_nbytes, usable_reference
+from .dynaquant_search import ConfigurationCube, Point, SearchRecord
+from .quantization_trials import MAGNITUDE, TrialConfig, WeightTrial
+from .state_layout import StateLayout, TensorRole
+
+if TYPE_CHECKING:
+    from .dynaquant import _Memory
+
+__all__ = ["PROXY_SCALE", "CHANGE_TRIAL_BITS", "WeightPlanning"]
+
+#: Without ``evaluate``, the proxy must stay below ``tolerance * PROXY_SCALE``.
+PROXY_SCALE = 1.0
+
+#: A moving weight is also encoded as its change since the reference where its level ids
+#: cost more than this many bits per element: a change on ``residual_bins`` = 10 levels
+#: cost 2.3-3.3 bits per element on the benchmark's workloads, so below this it cannot win.
+CHANGE_TRIAL_BITS = 1.5
+
+
+def _guess_layer_type(leaf: TensorLeaf) -> str:
+    if "embed" in format_key_path(leaf.path).lower():
+        return "embedding"
+    dims = leaf.tensor.dim()
+    return "conv" if dims >= 3 else "linear" if dims == 2 else "vector"
+
+
+class WeightPlanning:
+    """How :class:`~.dynaquant.DynaQuant` plans the weights of a save: the sketches, the
+    configuration search, the movement and frozen budgets, weights stored as their change
+    or as their reference, and the check of what was stored. A base of ``DynaQuant``: it
+    reads the policy's knobs and ``_memory``."""
+
+    # The knobs and memory of DynaQuant's that this reads.
+    tolerance: float
+    frozen_tolerance: float
+    movement_share: float
+    evaluate: Optional[Callable[[dict[str, torch.Tensor]], float]]
+    bins: tuple[int, ...]
+    embedding_bins: tuple[int, ...]
+    prune: tuple[float, ...]
+    protect: tuple[float, ...]
+    sigma: float
+    stickiness: float
+    neighbourhood: int
+    precision_only_grows: bool
+    residual_bins: tuple[int, ...]
+    _memory: _Memory
+
+    def _store_changes_where_smaller(
+        self,
+        leaves: Sequence[TensorLeaf],
+        references: Sequence[Optional[torch.Tensor]],
+        layout: StateLayout,
+        codecs: list[Codec],
+        weights: "_WeightPlan",
+        encoded: dict[int, Any],
+    ) -> None:
+        """A moving weight whose level ids cost more than ``CHANGE_TRIAL_BITS`` per element is
+        also encoded as its change since the reference (``residual_bins``, as for a weight
+        that moved less than its levels' spacing), and stored so where that is smaller and
+        within its own budget.
+
+        Level ids pay for every cell an element crosses; a change coded on its own levels
+        costs about the same per element however far it went, with an error that is a
+        share of the change. Where weights cross several cells between checkpoints (the
+        char GPT from its third checkpoint on) the change is the smaller encoding, at an
+        error no larger (docs/dynaquant.md, *Weights stored as their change*).
+        """
+        candidates = [
+            i for i in weights.indices
+            if i in weights.moving and isinstance(codecs[i], DynaQuantDeltaCodec)
+            and 8 * encoded_size(encoded[i]) > CHANGE_TRIAL_BITS * leaves[i].tensor.numel()
+        ]
+        if not candidates:
+            return
+
+        def as_change(index: int) -> tuple[ResidualCodec, Encoded, EntropyStats]:
+            stats = EntropyStats()
+            _, codec = self._residual_codec(
+                leaves, references, layout, index, weights.trials[index], weights.cube.own_budget(index), stats
+            )
+            return codec, codec.prepare(leaves[index].tensor, references[index]), stats
+
+        changed = 0
+        for index, (codec, change, stats) in zip(candidates, parallel_map_sized(
+            as_change, candidates, [leaf_nbytes(leaves[i]) for i in candidates]
+        )):
+            if encoded_size(change) < encoded_size(encoded[index]) and weights.within_own_budget(index, change):
+                codecs[index], encoded[index], weights.stats[index] = codec, change, stats
+                changed += 1
+        weights.record.config["change_coded_tensors"] = changed
+
+    def _check_stored_weights(
+        self,
+        leaves: Sequence[TensorLeaf],
+        references: Sequence[Optional[torch.Tensor]],
+        codecs: list[Codec],
+        weights: "_WeightPlan",
+        encoded: dict[int, Any],
+    ) -> None:
+        """Measure what the stored weights lose; re-encode without stickiness if over budget."""
+        record = weights.record
+        stored = weights.stored_quality(encoded)
+        record.stored_quality, record.stickiness = stored, self.stickiness
+        sticky = [i for i in weights.indices if isinstance(codecs[i], DynaQuantDeltaCodec) and self.stickiness > 0]
+        if sticky and record.quality:
+            self._memory.inflation = max(stored / record.quality, 1.0) if record.quality > 0 else None
+        if stored <= weights.budget or not sticky:
+            return
+        for index in sticky:
+            codec = codecs[index]
+            plain = type(codec).from_config({**codec.get_config(), "stickiness": 0.0})
+            weights.stats[index] = EntropyStats()  # the figures of the encoding stored
+            plain._hints = {**codec._hints, "stats": weights.stats[index]}  # noqa: SLF001 - same hints, no stickiness
+            codecs[index] = plain
+        again = parallel_map_sized(
+            lambda i: codecs[i].prepare(leaves[i].tensor, references[i]), sticky, [leaf_nbytes(leaves[i]) for i in sticky]
+        )
+        encoded.update(zip(sticky, again))
+        record.stored_quality, record.stickiness = weights.stored_quality(encoded), 0.0
+
+    def _trial(
+        self, leaves: Sequence[TensorLeaf], layout: StateLayout, index: int, change: Optional[torch.Tensor] = None
+    ) -> WeightTrial:
+        """The sketch of weight ``index`` (or of its ``change`` since the reference) that
+        answers trial configurations, with the proxy's Fisher weights and sensitivity."""
+        watch = self._memory.watch
+        leaf = leaves[index]
+        gradient = watch.gradient_average(leaf) if watch.watching else None
+        second = layout.optimizer_state_of(index).get(TensorRole.SECOND_MOMENT)
+        fisher = None
+        if second is not None and leaves[second].tensor.shape == leaf.tensor.shape:
+            fisher = leaves[second].tensor.detach()
+        elif gradient is not None:
+            fisher = gradient.float() ** 2
+        sensitivity = None
+        if gradient is not None and change is None:
+            sensitivity = (gradient.float() * leaf.tensor.detach().float()).abs()
+        layer_type = (watch.layer_type(leaf) if watch.watching else None) or _guess_layer_type(leaf)
+        values = leaf.tensor if change is None else change
+        trial = WeightTrial(values, layer_type, fisher, sensitivity, self.sigma)
+        if not torch.isfinite(trial.mass).all() or not torch.isfinite(torch.tensor(trial.total)):
+            trial = WeightTrial(values, layer_type, None, sensitivity, self.sigma)
+        return trial
+
+    def _residual_codec(
+        self,
+        leaves: Sequence[TensorLeaf],
+        references: Sequence[Optional[torch.Tensor]],
+        layout: StateLayout,
+        index: int,
+        weight: WeightTrial,
+        allowed: float,
+        stats: EntropyStats,
+    ) -> tuple[int, ResidualCodec]:
+        """``(levels, codec)``: weight ``index`` stored as its change since the reference, on
+        the fewest of ``residual_bins`` levels whose error stays within ``allowed``
+        (relative to the weight, as the search judges it); the first (most) when none does.
+        ``stats`` collects the entropy figures of its encoding.
+
+        Such a weight moved less than its own levels' spacing, and its budget is a share
+        of that movement (``movement_share``, 0.1). The default grid is one entry, 10 levels
+        (on MiniLM 12 levels left ~0.02-0.08 of a change's squared size as error, 8 up to
+        ~0.14): a search for fewer levels per tensor saved more bytes there but cost
+        accuracy (docs/dynaquant.md), so it is an option.
+        """
+        if len(self.residual_bins) == 1:  # nothing to choose
+            bins = self.residual_bins[0]
+            inner = DynaQuantCodec(bins=bins, prune=0.0, protect=0.0, sigma=self.sigma)
+            return bins, ResidualCodec(inner.with_hints(stats=stats))
+        tensor = leaves[index].tensor.detach()
+        compute = working_dtype(tensor.dtype)
+        reference = references[index].detach().to(tensor.device)  # type: ignore[union-attr]
+        # The residual exactly as ResidualCodec takes it, so the hints below describe it.
+        change = tensor.reshape(-1).to(compute) - reference.reshape(-1).to(compute)
+        trial = self._trial(leaves, layout, index, change)
+        # Both of the weight's relative errors (plain and Fisher-weighted) within ``allowed``,
+        # in units of the change's own energy: the stricter of the two conversions.
+        bound = allowed * min(
+            weight.total_plain / max(trial.total_plain, 1e-300), weight.total / max(trial.total, 1e-300)
+        )
+        bins = self.residual_bins[0]
+        chosen = trial.run(TrialConfig(bins=bins, prune=0.0, protect=0.0), 0)
+        for fewer in self.residual_bins[1:]:
+            if chosen.error > bound:
+                break  # the most levels already miss it: they are what is stored
+            result = trial.run(TrialConfig(bins=fewer, prune=0.0, protect=0.0), 0)
+            if result.error > bound:
+                break
+            bins, chosen = fewer, result
+        table = chosen.table
+        inner = DynaQuantCodec(bins=bins, prune=0.0, protect=0.0, sigma=self.sigma)
+        return bins, ResidualCodec(inner.with_hints(
+            counts=trial.counts, centroids=table.centroids(), prune_below=table.prune_below,
+            protect_above=table.protect_above, stats=stats,
+        ))
+
+    def _frozen(self, leaves: Sequence[TensorLeaf], layout: StateLayout, indices: list[int]) -> tuple[list[int], set[int]]:
+        """The weights that training does not change, and those of them the watch vouches for.
+
+        A parameter of the watched model is frozen when it does not require grad at this
+        save. Any other weight (nothing watched, a second model in the state, a watched
+        model since replaced) is frozen when it has no optimizer state and the state pairs
+        optimizer entries with weights at all (a bare model: every weight).
+        """
+        watch = self._memory.watch
+        has_optimizer = any(role is not TensorRole.WEIGHT and role is not TensorRole.OTHER for role in layout.roles)
+        # Optimizer entries that could not be matched to weights at all: assume all train.
+        by_optimizer_state = any(layout.parameter_of) or not has_optimizer
+        frozen: list[int] = []
+        vouched: set[int] = set()
+        for i in indices:
+            trains = watch.trains(leaves[i]) if watch.watching else None
+            if trains is None:
+                if by_optimizer_state and not layout.optimizer_state_of(i):
+                    frozen.append(i)
+            elif not trains:
+                frozen.append(i)
+                vouched.add(i)
+        return frozen, vouched
+
+    def _unchanged(
+        self,
+        leaves: Sequence[TensorLeaf],
+        references: Sequence[Optional[torch.Tensor]],
+        watched_frozen: set[int],
+    ) -> set[int]:
+        """The weights to store as their reference: those the watched model does not train
+        whose relative squared distance from the reference is within the frozen budget.
+
+        Their reference is what the previous checkpoint stored, so this keeps them on the
+        levels they were stored with, as the search would, without re-coding them (MiniLM:
+        21 frozen tensors, a third of a chain restore's decoding). A frozen weight given new
+        values since (loaded by hand) is over the budget and quantized again.
+        """
+        # With ``evaluate`` the tolerance is in its units: the frozen budget stands alone.
+        tolerance = self.tolerance if self.evaluate is None else math.inf
+        bound = min(self.frozen_tolerance, tolerance) * PROXY_SCALE
+        unchanged = set()
+        for index in watched_frozen:
+            tensor = leaves[index].tensor.detach()
+            reference = usable_reference(tensor, references[index])
+            if reference is None:
+                continue
+            flat = tensor.float().reshape(-1)
+            difference = flat - reference.detach().to(tensor.device).float().reshape(-1)
+            # One temporary of the tensor's size (float64 copies would be two of twice it).
+            energy, distance = float(torch.dot(flat, flat)), float(torch.dot(difference, difference))
+            if distance <= bound * energy:
+                unchanged.add(index)
+        return unchanged
+
+    def _plan_weights(
+        self,
+        leaves: Sequence[TensorLeaf],
+        references: Sequence[Optional[torch.Tensor]],
+        layout: StateLayout,
+        eligible: list[bool],
+        codecs: list[Codec],
+    ) -> Optional["_WeightPlan"]:
+        indices = [i for i in layout.indices(TensorRole.WEIGHT) if eligible[i]]
+        if not indices:
+            return None
+        started = time.perf_counter()
+        # A weight the watched model does not train, still within the frozen budget of its
+        # reference, is stored as that reference: no sketch, no search, no bytes.
+        # Weights without optimizer state are frozen (or the state is a bare model): their
+        # error is never trained away, so they get the tighter budget.
+        frozen, watched_frozen = self._frozen(leaves, layout, indices)
+        unchanged = self._unchanged(leaves, references, watched_frozen)
+        for index in unchanged:
+            codecs[index] = UnchangedCodec()
+        indices = [i for i in indices if i not in unchanged]
+        if not indices:
+            return None
+        frozen = [i for i in frozen if i not in unchanged]
+        keys = {i: format_key_path(leaves[i].path) for i in indices}
+        # Sketching reads every element of every weight: the large tensors are shared out
+        # between threads (parallel_map_sized); the dict keeps the leaf order the search
+        # depends on.
+        sketched = dict(zip(indices, parallel_map_sized(
+            lambda i: self._trial(leaves, layout, i), indices, [leaf_nbytes(leaves[i]) for i in indices]
+        )))
+        trials = {i: sketched[i] for i in indices}
+        init = {i: self._memory.centroids[keys[i]] for i in indices if keys[i] in self._memory.centroids}
+        budget = self.tolerance * (PROXY_SCALE if self.evaluate is None else 1.0)
+        inflation = 1.0
+        if self.stickiness > 0:
+            # Leave room for what stickiness adds to the nearest-level error of a delta, as
+            # measured on the last one (a guess before the first). Full checkpoints get the
+            # same room, so the next delta's search starts from a point that still fits.
+            inflation = self._memory.inflation or 1.0 + 1.3 * self.stickiness
+        # A weight the watched model does not train has not moved: what separates it from
+        # its reference is the reference's own error, which the frozen budget bounded when
+        # it was stored. Bounding it by that "movement" would re-code the error at every
+        # delta (MiniLM: its frozen layers were 31 % of every delta step).
+        movable = [i for i in indices if i not in watched_frozen]
+        movement = self._movement_budgets(leaves, references, trials, movable)
+        moving = set(movement)
+        scales: dict[int, float] = {}
+        caps: dict[int, float] = {}
+        if self.evaluate is None:
+            # Under the proxy, a weight's budget is its share of ``budget``.
+            scales = {i: min(self.frozen_tolerance / self.tolerance, 1.0) for i in frozen}
+            for index, share in movement.items():
+                scales[index] = min(scales.get(index, 1.0), share / budget)
+        else:
+            # ``evaluate`` judges the model now; what it cannot see stays bounded in the
+            # proxy's units: a frozen weight's error, which training never removes, and what
+            # a restore takes from a moved weight's change (without these a fine-tune's
+            # first checkpoint, whose untrained head hides the encoder's damage, pruned 30 %
+            # of MiniLM's frozen layers).
+            caps = {i: self.frozen_tolerance * PROXY_SCALE for i in frozen}
+            for index, share in movement.items():
+                caps[index] = min(caps.get(index, math.inf), share)
+        cube = ConfigurationCube(
+            trials, leaves, self.bins, self.embedding_bins, self.prune, self.protect, budget / inflation,
+            self.evaluate, init, scales, caps,
+        )
+        hard: list[int] = []
+        residual: list[int] = []
+        residual_levels: dict[int, int] = {}  # levels -> residual-coded weights stored with them
+        if self.evaluate is None or caps:
+            # Every tensor's own budget is judged alone: one that misses it even at the least
+            # aggressive point is stored another way, instead of failing the search (and so
+            # the quantization) of all the others: as its quantized change since the
+            # reference when it moved (levels of its own values cannot hold a change smaller
+            # than their spacing), else losslessly.
+            origin = tuple(0 for _ in cube.shape)
+            hard = [i for i, ok in zip(indices, cube.within_own_budgets(indices, origin, MAGNITUDE)) if not ok]
+            residual = [i for i in hard if i in moving]
+            allowed = {i: cube.own_budget(i) for i in residual}
+            coded = parallel_map_sized(
+                lambda i: self._residual_codec(
+                    leaves, references, layout, i, trials[i], allowed[i], self._memory.entropy
+                ),
+                residual,
+                [leaf_nbytes(leaves[i]) for i in residual],
+            )
+            for index, (levels, codec) in zip(residual, coded):
+                codecs[index] = codec
+                residual_levels[levels] = residual_levels.get(levels, 0) + 1
+            if hard:
+                indices = [i for i in indices if i not in hard]
+                if not indices:
+                    self._memory.searches.append(SearchRecord(
+                        kind="none", evaluations=0, seconds=time.perf_counter() - started,
+                        config={
+                            "lossless_tensors": len(hard) - len(residual), "residual_tensors": len(residual),
+                            "residual_tensors_by_bins": dict(sorted(residual_levels.items())),
+                        },
+                        quality=None, feasible=False,
+                    ))
+                    return None
+                trials = {i: trials[i] for i in indices}
+                cube = ConfigurationCube(
+                    trials, leaves, self.bins, self.embedding_bins, self.prune, self.protect, budget / inflation,
+                    self.evaluate, init, scales, caps,
+                )
+        point, metric, kind = cube.search(self._memory.best, self.neighbourhood, not self.precision_only_grows)
+        floors = {}
+        if self.precision_only_grows:
+            floors = {i: self._memory.bins[keys[i]] for i in indices if keys[i] in self._memory.bins}
+        refinements = cube.refine(point, metric, floors) if point is not None else 0
+        record = SearchRecord(
+            kind=kind,
+            evaluations=cube.evaluations + refinements,
+            seconds=time.perf_counter() - started,
+            config=self._describe(cube, point, metric, indices, hard, residual_levels) if point is not None else {},
+            quality=cube.quality(point, metric) if point is not None else None,
+            feasible=point is not None,
+        )
+        self._memory.searches.append(record)
+        if point is None:
+            return None  # nothing meets the tolerance: the weights stay lossless this time
+        self._memory.best = (point, metric)
+        # Each weight's entropy figures are held apart until its encoding is chosen (a moving
+        # weight may be stored as its change instead).
+        stats = {index: EntropyStats() for index in indices}
+        for index in indices:
+            result = cube.result(index, point, metric)
+            trial = trials[index]
+            self._memory.bins[keys[index]] = cube.config(index, point, metric).bins
+            table = result.table
+            self._memory.centroids[keys[index]] = table.centroids()
+            reference = usable_reference(leaves[index].tensor, references[index])
+            codec_type = DynaQuantDeltaCodec if reference is not None else DynaQuantCodec
+            codec = codec_type(
+                bins=cube.config(index, point, metric).bins, prune=0.0, protect=0.0,
+                sigma=self.sigma, stickiness=self.stickiness if reference is not None else 0.0,
+            )
+            codecs[index] = codec.with_hints(
+                keys=trial.keys,
+                counts=trial.counts,
+                centroids=table.centroids(),
+                prune_below=table.prune_below,
+                protect_above=table.protect_above,
+                prune_mask=result.prune_mask,
+                protect_mask=result.protect_mask,
+                stats=stats[index],
+            )
+        return _WeightPlan(indices, trials, cube, record, budget, self.evaluate, scales, moving, stats)
+
+    @staticmethod
+    def _describe(
+        cube: ConfigurationCube, point: Point, metric: str, indices: list[int], hard: list[int],
+        residual_levels: dict[int, int],
+    ) -> dict[str, Any]:
+        config = cube.describe(point, metric)
+        residual = sum(residual_levels.values())
+        config["lossless_tensors"] = len(hard) - residual
+        config["residual_tensors"] = residual
+        config["residual_tensors_by_bins"] = dict(sorted(residual_levels.items()))
+        tensors: dict[int, int] = {}
+        for index in indices:
+            bins = cube.config(index, point, metric).bins
+            tensors[bins] = tensors.get(bins, 0) + 1
+        config["tensors_by_bins"] = dict(sorted(tensors.items()))
+        return config
+
+    def _movement_budgets(
+        self,
+        leaves: Sequence[TensorLeaf],
+        references: Sequence[Optional[torch.Tensor]],
+        trials: dict[int, WeightTrial],
+        indices: list[int],
+    ) -> dict[int, float]:
+        """For each weight that moved since its reference: ``movement_share`` of its squared
+        change relative to its energy, the most of its proxy error a restore may lose.
+
+        After a restore the run continues from the stored values: an element that moved
+        less than its cell since the last checkpoint is put back on its old level, and the
+        training since is lost. Over the benchmark's 10 restores a fine-tune whose steps
+        are far smaller than the cells (MiniLM: 1e-5..1e-4 of the weights' energy per
+        checkpoint, below the 1.5e-4 error of 128 levels) lost half its accuracy.
+        """
+        budgets: dict[int, float] = {}
+        for index in indices:
+            tensor = leaves[index].tensor
+            reference = usable_reference(tensor, references[index])
+            if reference is None:
+                continue
+            difference = tensor.detach().float() - reference.detach().to(tensor.device).float()
+            moved = float(torch.dot(difference.reshape(-1), difference.reshape(-1)))
+            if not moved > 0:  # unchanged (nothing to lose) or not finite
+                continue
+            budgets[index] = self.movement_share * moved / max(trials[index].total_plain, 1e-300)
+        return budgets
+
+
+@dataclass
+class _WeightPlan:
+    """The weights one save quantizes, and how to judge what was stored for them."""
+
+    indices: list[int]
+    trials: dict[int, WeightTrial]
+    cube: ConfigurationCube
+    record: SearchRecord
+    budget: float
+    evaluate: Optional[Callable[[dict[str, torch.Tensor]], float]]
+    scales: dict[int, float]
+    #: the weights that moved since their reference (each has a movement budget)
+    moving: set[int]
+    #: each weight's entropy figures, of the encoding to be stored
+    stats: dict[int, EntropyStats]
+
+    def stored_quality(self, encoded: dict[int, Any]) -> float:
+        """The quality measure of the weights as stored (the proxy, or ``evaluate``)."""
+        if self.evaluate is not None:
+            return self.cube.relative_loss({i: encoded[i].reconstruction for i in self.indices})
+        return max((self._error(i, encoded[i]) / self.scales.get(i, 1.0) for i in self.indices), default=0.0)
+
+    def within_own_budget(self, index: int, encoded: Encoded) -> bool:
+        """Whether weight ``index`` as ``encoded`` stays within the error it may have alone."""
+        return self._error(index, encoded) <= self.cube.own_budget(index)
+
+    def _error(self, index: int, encoded: Encoded) -> float:
+        """The proxy's relative error of weight ``index`` as ``encoded``: the larger of the
+        plain and the Fisher-weighted one."""
+        trial = self.trials[index]
+        difference = encoded.reconstruction.reshape(-1).float() - trial.flat.float()
+        plain = float(torch.dot(difference, difference))
+        if not math.isfinite(plain):  # non-finite weights are stored exactly (protected)
+            difference = torch.where(torch.isfinite(difference), difference, 0.0)
+            plain = float(torch.dot(difference, difference))
+        error = plain / max(trial.total_plain, 1e-300)
+        if trial.weights is not None:
+            weighted = float(torch.dot(difference * trial.weights, difference))
+            error = max(error, weighted / max(trial.total, 1e-300))
+        return error
