@@ -1,0 +1,498 @@
+"""How DynaQuant stores the optimizer state: first moments and their pruning, the joint\nmask, second moments, and the statistics of other torch optimizers."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+import inshrinkerator as ink
+from inshrinkerator.codecs import DynaQuantCodec, DynaQuantDeltaCodec, DynaQuantGroupedCodec
+from inshrinkerator.policies import DynaQuant
+from inshrinkerator.tree import flatten, format_key_path
+
+from ..helpers import assert_same
+from .dynaquant_states import by_key, codecs_and_bytes, one_thread, small_model, train_steps, trained_states  # noqa: F401 - one_thread: autouse
+
+
+def test_the_moments_of_small_weights_are_quantized_but_not_the_weights() -> None:
+    _, (state,) = trained_states(1)
+    flat = flatten(state)
+    paths = [format_key_path(leaf.path) for leaf in flat.tensors]
+    by_path = dict(zip(paths, DynaQuant().plan(flat.tensors, [None] * len(flat.tensors))))
+    # the last layer's weight has 320 values: under min_numel, over moment_min_numel
+    assert by_path["model/5.weight"].lossless
+    assert isinstance(by_path["optimizer/state/4/exp_avg"], DynaQuantCodec)
+    assert by_path["optimizer/state/4/exp_avg_sq"].domain == "log"
+    # its bias's 10 values are under both
+    assert by_path["optimizer/state/5/exp_avg"].lossless and by_path["optimizer/state/5/exp_avg_sq"].lossless
+    exact = dict(zip(paths, DynaQuant(moment_min_numel=1024).plan(flat.tensors, [None] * len(flat.tensors))))
+    assert exact["optimizer/state/4/exp_avg"].lossless and exact["optimizer/state/4/exp_avg_sq"].lossless
+    # their bytes are mostly the record and the level table: twice the levels cost little
+    assert by_path["optimizer/state/4/exp_avg"].bins == 2 * by_path["optimizer/state/2/exp_avg"].bins
+    assert by_path["optimizer/state/4/exp_avg_sq"].bins == 2 * by_path["optimizer/state/2/exp_avg_sq"].bins
+
+
+def test_the_first_moments_of_small_weights_are_not_pruned(tmp_path) -> None:
+    _, (state,) = trained_states(1)
+    ink.save(state, tmp_path / "m.ink", policy=DynaQuant(first_moment_keep=0.1, first_moment_keep_after=0))
+    loaded = ink.load(tmp_path / "m.ink")["optimizer"]["state"]
+    m = state["optimizer"]["state"][4]["exp_avg"]
+    assert float((loaded[2]["exp_avg"] != 0).float().mean()) < 0.13  # the large weight's: pruned
+    # the small weight's: only entries nearer 0 than the smallest level become 0
+    assert float(m.abs()[loaded[4]["exp_avg"] != 0].sum() / m.abs().sum()) > 0.9
+
+
+def test_sgd_momentum_is_quantized_too(tmp_path) -> None:
+    _, (state,) = trained_states(1, optimizer="sgd")
+    flat = flatten(state)
+    codecs = DynaQuant().plan(flat.tensors, [None] * len(flat.tensors))
+    by_path = {format_key_path(leaf.path): codec for leaf, codec in zip(flat.tensors, codecs)}
+    assert isinstance(by_path["optimizer/state/2/momentum_buffer"], DynaQuantCodec)
+    ink.save(state, tmp_path / "sgd.ink", policy="dynaquant")
+    assert ink.load(tmp_path / "sgd.ink")["optimizer"]["state"][2]["momentum_buffer"].shape == (32, 512)
+
+
+def test_first_moments_keep_the_steadiest_entries(tmp_path) -> None:
+    _, (state,) = trained_states(1)
+    ink.save(state, tmp_path / "m.ink", policy=DynaQuant(first_moment_keep=0.1, first_moment_keep_after=0))
+    loaded = ink.load(tmp_path / "m.ink")["optimizer"]["state"][2]
+    m, v = state["optimizer"]["state"][2]["exp_avg"], state["optimizer"]["state"][2]["exp_avg_sq"]
+    kept = loaded["exp_avg"] != 0
+    assert 0.07 < float(kept.float().mean()) < 0.13
+    score = m.abs() / (v.sqrt() + 1e-8)
+    cut = float(torch.quantile(score.flatten(), 0.9))
+    assert float(score[kept].min()) >= 0.95 * cut  # nothing below the score cut survives
+    # ... and above it only the entries nearer 0 than the smallest level become 0
+    assert float(kept[score >= cut].float().mean()) > 0.75
+    ink.save(state, tmp_path / "all.ink", policy=DynaQuant())
+    restored = ink.load(tmp_path / "all.ink")["optimizer"]["state"][2]["exp_avg"]
+    # A full checkpoint prunes nothing by default: only entries nearer 0 than the smallest
+    # level become 0.
+    assert float(m.abs()[restored != 0].sum() / m.abs().sum()) > 0.8
+    sgd = trained_states(1, optimizer="sgd")[1][0]
+    ink.save(sgd, tmp_path / "s.ink", policy=DynaQuant(momentum_keep=0.3, first_moment_keep_after=0))
+    buffer = ink.load(tmp_path / "s.ink")["optimizer"]["state"][2]["momentum_buffer"]
+    assert 0.25 < float((buffer != 0).float().mean()) < 0.35
+
+
+@pytest.mark.parametrize("bins, keep", [(4, 1.0), (16, 1.0), (4, 0.15)])
+def test_first_moments_are_never_rounded_to_more_than_twice_their_size(tmp_path, bins, keep) -> None:
+    # 0 is one of the levels: a tiny entry becomes 0 rather than the smallest level, so a
+    # restored Adam step m / sqrt(v) is never blown up by the first moment (also among the
+    # entries first_moment_keep keeps, whose |m| can be small where v is small).
+    _, states = trained_states(2)
+    state = states[1]
+    ink.save(state, tmp_path / "m.ink", policy=DynaQuant(moment_bins=bins, first_moment_keep=keep, first_moment_keep_after=0))
+    loaded = ink.load(tmp_path / "m.ink")["optimizer"]["state"]
+    for key, entry in state["optimizer"]["state"].items():
+        m, restored = entry["exp_avg"], loaded[key]["exp_avg"]
+        if m.numel() < 1024:
+            continue
+        assert bool((restored * m >= 0).all())
+        # 2x, plus the sketch's bucket width (1.6%) on both sides of a cell boundary
+        assert bool((restored.abs() <= 2.1 * m.abs()).all())
+        zeros = float((restored == 0).float().mean())
+        assert 0 < zeros < 0.9 if keep == 1.0 else 1.0 - keep - 0.02 < zeros < 1.0
+
+
+@pytest.mark.parametrize("joint, beta2", [(True, 0.95), (False, 0.95), (True, 0.999)])
+def test_a_pruned_first_moment_entry_restarts_with_a_zero_second_moment(tmp_path, joint, beta2) -> None:
+    # With beta2 = 0.999 a restart would grow the steps up to 14x: the moment stays whole.
+    _, (state,) = trained_states(1, optimizer="adam95" if beta2 == 0.95 else "adam")
+    joint = joint and beta2 == 0.95
+    policy = DynaQuant(first_moment_keep=0.1, first_moment_keep_after=0, joint_moment_mask=joint)
+    info = ink.save(state, tmp_path / "m.ink", policy=policy)
+    loaded = ink.load(tmp_path / "m.ink")["optimizer"]["state"]
+    large = [key for key, entry in state["optimizer"]["state"].items() if entry["exp_avg"].numel() >= 1024]
+    assert large
+    for key in large:
+        v = state["optimizer"]["state"][key]["exp_avg_sq"]
+        m_restored, v_restored = loaded[key]["exp_avg"], loaded[key]["exp_avg_sq"]
+        assert float((m_restored != 0).float().mean()) < 0.13
+        # no restored step divides a kept momentum by a zero second moment
+        assert bool((v_restored[m_restored != 0] > 0).all())
+        zeros = v_restored == 0
+        if joint:
+            assert 0.85 < float(zeros.float().mean()) < 0.95
+            assert bool((m_restored[zeros] == 0).all())
+            # the levels are fitted on the kept entries alone: each stays near its value
+            octaves = (v_restored[~zeros] / v[~zeros]).log2().abs()
+            assert float(octaves.max()) < 2.0 and float(octaves.mean()) < 0.4  # 0.49 if fitted on all
+        else:
+            assert bool((zeros == (v == 0)).all())
+    whole = ink.save(state, tmp_path / "whole.ink", policy=dataclasses.replace(policy, joint_moment_mask=False))
+    assert (info.stored_bytes < whole.stored_bytes) if joint else (info.stored_bytes == whole.stored_bytes)
+    with pytest.raises(ValueError, match="joint_moment_mask"):
+        DynaQuant(joint_moment_mask=1)
+
+
+def _adam_entry(step: int, m: torch.Tensor, v: torch.Tensor) -> dict:
+    weight = torch.linspace(-1, 1, m.numel()).reshape(m.shape)
+    return {
+        "model": {"w": weight},
+        "optimizer": {"state": {0: {"step": torch.tensor(float(step)), "exp_avg": m, "exp_avg_sq": v}},
+                      "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.95), "params": [0]}]},
+    }
+
+
+@pytest.mark.parametrize("v_moves", [False, True])
+def test_the_second_moment_keeps_the_smaller_of_whole_and_joint(tmp_path, v_moves) -> None:
+    # Between two checkpoints 40 steps apart the first moment changes (so does its pruning
+    # mask). The joint encoding stores only the kept entries (the mask is read from the
+    # first moment): where the second moment moved everywhere it is far smaller; where it
+    # barely moved both are cheap deltas, and the smaller is stored.
+    generator = torch.Generator().manual_seed(7)
+    shape = (256, 64)
+    v0 = torch.rand(shape, generator=generator).pow(4) * 1e-4 + 1e-8
+    v1 = torch.rand(shape, generator=generator).pow(4) * 1e-4 + 1e-8 if v_moves else v0 * 1.0001
+    states = [
+        _adam_entry(0, torch.randn(shape, generator=generator) * 1e-3, v0),
+        _adam_entry(40, torch.randn(shape, generator=generator) * 1e-3, v1),
+    ]
+    stored, kinds = {}, {}
+    for joint in (True, False):
+        folder = tmp_path / str(joint)
+        with ink.CheckpointManager(folder, policy=DynaQuant(joint_moment_mask=joint)) as manager:
+            for step, state in zip((0, 40), states):
+                manager.save(step, state)
+        with ink.CheckpointManager(folder) as reader:
+            restored = reader.load(40)["optimizer"]["state"][0]
+        stored[joint] = sum(f.stat().st_size for f in folder.rglob("*.ink"))
+        m_zeros = restored["exp_avg"] == 0
+        v_zeros = restored["exp_avg_sq"] == 0
+        assert float(m_zeros.float().mean()) > 0.85  # pruned either way
+        kinds[joint] = "joint" if bool(v_zeros.any()) else "whole"
+        if kinds[joint] == "joint":
+            assert torch.equal(v_zeros, m_zeros)
+    assert kinds[False] == "whole"
+    assert stored[True] <= stored[False]
+    if v_moves:
+        assert kinds[True] == "joint" and stored[True] < 0.9 * stored[False]
+
+
+def test_a_chain_of_jointly_masked_moments_restores_at_every_step(tmp_path) -> None:
+    # Each masked second moment is a delta against the previous one and reads its zeros from
+    # its own checkpoint's first moment: restoring the end of the chain decodes, of every
+    # base step, the second moment and the first moment it takes its zeros from.
+    generator = torch.Generator().manual_seed(11)
+    shape = (128, 64)
+    states = [
+        _adam_entry(40 * k, torch.randn(shape, generator=generator) * 1e-3,
+                    torch.rand(shape, generator=generator).pow(4) * 1e-4 + 1e-8)
+        for k in range(4)
+    ]
+    with ink.CheckpointManager(tmp_path / "run", policy=DynaQuant()) as manager:
+        for state in states:
+            manager.save(int(state["optimizer"]["state"][0]["step"]), state)
+    from inshrinkerator.container import ContainerReader
+
+    masked = 0
+    for path in (tmp_path / "run").rglob("*.ink"):
+        with ContainerReader(open(path, "rb"), str(path)) as container:
+            masked += sum(record.codec["id"] == "dynaquant_masked_delta" for record in container.header.tensors)
+    assert masked == 3  # the second moment of every delta
+    with ink.CheckpointManager(tmp_path / "run") as reader:
+        for step in (120, 80, 40, 0):  # the longest chain first
+            entry = reader.load(step)["optimizer"]["state"][0]
+            m_zeros, v_zeros = entry["exp_avg"] == 0, entry["exp_avg_sq"] == 0
+            if step:
+                assert float(m_zeros.float().mean()) > 0.85 and torch.equal(v_zeros, m_zeros)
+            else:  # a full checkpoint: nothing pruned
+                assert not bool(v_zeros.any())
+
+
+def test_the_second_moment_choice_settles_on_the_smaller_encoding() -> None:
+    from inshrinkerator.codecs.base import Encoded
+    from inshrinkerator.codecs.bucket_delta import EntropyStats
+    from inshrinkerator.policies.dynaquant import _Memory
+    from inshrinkerator.policies.dynaquant_moments import _Candidate, _SecondMomentChoice
+
+    def candidate(codec):
+        return _Candidate(codec, EntropyStats(), {})
+
+    whole, joint = DynaQuantDeltaCodec(bins=8), DynaQuantDeltaCodec(bins=4)
+    plain, grouped = DynaQuantCodec(bins=8), DynaQuantGroupedCodec(bins=8)
+
+    def size(n):
+        return Encoded([b"x" * n])
+
+    choice = _SecondMomentChoice(candidate(whole), candidate(joint), 0, candidate(plain), candidate(grouped))
+    alone = _SecondMomentChoice(candidate(whole), candidate(joint), 0, candidate(plain))
+    assert choice.settle(size(20), size(10), size(30), None, _Memory()) == (joint, plain)
+    assert choice.settle(size(10), size(20), size(30), None, _Memory()) == (whole, plain)
+    assert choice.settle(size(10), size(10), size(30), None, _Memory()) == (whole, plain)  # a tie keeps it whole
+    assert choice.settle(size(10), None, size(30), None, _Memory()) == (whole, plain)  # no joint encoding
+    # The pair decides: the joint second moment is smaller alone, the grouped first moment
+    # (which needs the whole second moment) more than makes up for it.
+    assert choice.settle(size(20), size(10), size(30), size(15), _Memory()) == (whole, grouped)
+    assert choice.settle(size(20), size(10), size(30), size(25), _Memory()) == (joint, plain)
+    assert choice.settle(size(20), size(30), size(30), size(35), _Memory()) == (whole, plain)
+    assert alone.settle(size(20), size(10), size(30), None, _Memory()) == (joint, plain)
+
+
+def test_the_joint_mask_needs_betas_that_keep_a_restart_s_steps_within_twice() -> None:
+    from inshrinkerator.policies.dynaquant_moments import RESTART_STEP_GROWTH, restart_step_growth
+
+    assert 1.9 < restart_step_growth((0.9, 0.95)) <= RESTART_STEP_GROWTH == 2.0
+    assert 13.0 < restart_step_growth([0.9, 0.999]) < 14.0
+    assert restart_step_growth((0.9, 0.5)) == pytest.approx(1.0)  # a short memory: no growth
+    for unknown in (None, (0.9,), (0.9, 1.0), ("a", "b"), 0.9):
+        assert restart_step_growth(unknown) == float("inf")
+    # Without the state (plan() alone) the betas are unknown: the moment stays whole.
+    generator = torch.Generator().manual_seed(5)
+    state = _adam_entry(0, torch.randn(256, 64, generator=generator), torch.rand(256, 64, generator=generator) + 0.1)
+    leaves = flatten(state).tensors
+    codecs = DynaQuant(first_moment_keep_after=0).plan(leaves, [None] * len(leaves))
+    paths = [format_key_path(leaf.path) for leaf in leaves]
+    second = paths.index("optimizer/state/0/exp_avg_sq")
+    restored = codecs[second].encode(leaves[second].tensor).reconstruction
+    assert bool((restored > 0).all())
+    planned = DynaQuant(first_moment_keep_after=0).plan_state(state, leaves, [None] * len(leaves))
+    first = paths.index("optimizer/state/0/exp_avg")
+    assert planned[second].uses_context and planned[second].context_key == paths[first]
+    context = planned[first].encode(leaves[first].tensor).reconstruction
+    restored = planned[second].encode(leaves[second].tensor, context=context).reconstruction
+    assert float((restored == 0).float().mean()) > 0.85 and torch.equal(restored == 0, context == 0)
+
+
+def _kept_first_moment(run, step) -> float:
+    reader = ink.CheckpointManager(run)
+    moment = reader.load(step)["optimizer"]["state"][2]["exp_avg"]
+    reader.close()
+    return float((moment != 0).float().mean())
+
+
+@pytest.mark.parametrize("after, pruned", [(5, True), (6, False)])
+def test_first_moments_are_pruned_only_far_enough_from_the_checkpoint_before(tmp_path, after, pruned) -> None:
+    # The states are 5 Adam steps apart, the first 5 steps after the optimizer's start: the
+    # full checkpoint and the delta both prune when first_moment_keep_after <= 5.
+    _, states = trained_states(2)
+    manager = ink.CheckpointManager(tmp_path / "run", policy=DynaQuant(first_moment_keep=0.1, first_moment_keep_after=after))
+    for step, state in enumerate(states):
+        manager.save(step, state)
+    manager.close()
+    for step in (0, 1):
+        kept = _kept_first_moment(tmp_path / "run", step)
+        assert kept <= 0.11 if pruned else kept > 0.5
+
+
+def test_a_full_checkpoint_counts_its_steps_from_the_save_before_it(tmp_path) -> None:
+    # Every checkpoint full, 5 Adam steps apart: the policy remembers its previous save (5
+    # steps: every entry kept); a fresh policy counts from the optimizer's start (15: pruned).
+    _, states = trained_states(3)
+    options = {"first_moment_keep": 0.1, "first_moment_keep_after": 6}
+    manager = ink.CheckpointManager(tmp_path / "run", policy=DynaQuant(**options), full_every=1)
+    for step, state in enumerate(states):
+        manager.save(step, state)
+    manager.close()
+    assert all(_kept_first_moment(tmp_path / "run", step) > 0.5 for step in range(3))
+    fresh = ink.CheckpointManager(tmp_path / "fresh", policy=DynaQuant(**options))
+    fresh.save(2, states[2])
+    fresh.close()
+    assert _kept_first_moment(tmp_path / "fresh", 2) <= 0.11
+
+
+def test_an_older_state_planned_again_does_not_move_the_remembered_counter_back() -> None:
+    # Full checkpoints (no references) of states 5 optimizer steps apart (counters 5 ... 20).
+    _, states = trained_states(4)
+    leaves = [flatten(state).tensors for state in states]
+    policy = DynaQuant()
+
+    def steps(index: int) -> int:
+        return policy._steps_since_last_checkpoint(leaves[index], [None] * len(leaves[index]))
+
+    assert steps(0) == 5  # the first: since the optimizer started
+    assert steps(1) == 5
+    assert steps(0) == 5  # an older step re-planned (a re-base): counted from the start
+    assert steps(3) == 10  # still from the last save (counter 10), not from the re-based 5
+
+
+def _kept_momentum(run, step) -> float:
+    reader = ink.CheckpointManager(run)
+    buffer = reader.load(step)["optimizer"]["state"][2]["momentum_buffer"]
+    reader.close()
+    return float((buffer != 0).float().mean())
+
+
+@pytest.mark.parametrize("watched, steps, pruned", [(True, 6, True), (True, 5, False), (False, 6, False)])
+def test_sgd_momentum_is_pruned_only_when_the_watch_counts_the_steps(tmp_path, watched, steps, pruned) -> None:
+    # SGD keeps no step counters: the watched model's backward passes since it was watched
+    # (first save) and since the previous save (the delta) are the steps.
+    model = small_model()
+    optimizer = torch.optim.SGD(model.parameters(), 0.05, momentum=0.9)
+    manager = ink.CheckpointManager(tmp_path / "run", policy=DynaQuant(first_moment_keep_after=6))
+    if watched:
+        manager.watch(model)
+    for save in range(2):
+        train_steps(model, optimizer, steps, start=steps * save)
+        manager.save(save, {"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+    manager.close()
+    for save in range(2):
+        kept = _kept_momentum(tmp_path / "run", save)
+        assert kept <= 0.11 if pruned else kept > 0.5
+
+
+def test_steps_since_reference_come_from_the_optimizer_step_counters() -> None:
+    from inshrinkerator.policies.dynaquant import _optimizer_steps, _steps_since_reference
+
+    _, states = trained_states(3)
+    leaves = flatten(states[2]).tensors
+    earlier = by_key(states[0])
+    references = [earlier.get(format_key_path(leaf.path)) for leaf in leaves]
+    assert _steps_since_reference(leaves, references) == 10
+    assert _steps_since_reference(leaves, [None] * len(leaves)) is None
+    assert _optimizer_steps(leaves) == 15
+    # a model buffer that happens to be called "step" is not an optimizer counter
+    counter = {"model": {"step": torch.tensor(100.0)}, "optimizer": {"state": {}}}
+    earlier_counter = {"model/step": torch.tensor(0.0)}
+    buffer_leaves = flatten(counter).tensors
+    assert _steps_since_reference(buffer_leaves, [earlier_counter.get(format_key_path(leaf.path)) for leaf in buffer_leaves]) is None
+    assert _optimizer_steps(buffer_leaves) is None
+    with pytest.raises(ValueError, match="first_moment_keep_after"):
+        DynaQuant(first_moment_keep_after=-1)
+
+
+def test_a_step_counter_that_is_no_real_number_is_no_counter(tmp_path) -> None:
+    from inshrinkerator.policies.dynaquant import _optimizer_steps, _steps_since_reference
+
+    _, states = trained_states(2)
+    for state in states:  # a complex "step" (nothing torch writes, but a state may hold it)
+        state["optimizer"]["state"][0]["step"] = torch.tensor(3 + 1j)
+    leaves = flatten(states[1]).tensors
+    references = [by_key(states[0]).get(format_key_path(leaf.path)) for leaf in leaves]
+    assert _optimizer_steps(leaves) == 10  # the other entries' counters
+    assert _steps_since_reference(leaves, references) == 5
+    manager = ink.CheckpointManager(tmp_path / "run")
+    for step, state in enumerate(states):
+        manager.save(step, state)
+    manager.close()
+    restored = ink.CheckpointManager(tmp_path / "run").load(1)["optimizer"]["state"][0]["step"]
+    assert torch.equal(restored, torch.tensor(3 + 1j))
+
+
+def test_adam_first_moments_and_sgd_momentum_get_their_own_level_counts() -> None:
+    for optimizer, key, knob in (("adam", "exp_avg", "moment_bins"), ("sgd", "momentum_buffer", "momentum_bins")):
+        _, (state,) = trained_states(1, optimizer=optimizer)
+        leaves = flatten(state).tensors
+        for bins in (4, 8):
+            codecs = DynaQuant(**{knob: bins}).plan(leaves, [None] * len(leaves))
+            planned = dict(zip((format_key_path(leaf.path) for leaf in leaves), codecs))
+            assert planned[f"optimizer/state/2/{key}"].bins == bins
+    defaults = DynaQuant()
+    assert (defaults.moment_bins, defaults.momentum_bins) == (8, 4)
+    with pytest.raises(ValueError, match="momentum_bins"):
+        DynaQuant(momentum_bins=0)
+
+
+#: torch.optim optimizers beside Adam and SGD, with the statistics DynaQuant codes in the
+#: log domain (non-negative) and those it codes as signed first-order state.
+_OTHER_OPTIMIZERS = {
+    "rmsprop": (lambda p: torch.optim.RMSprop(p, lr=1e-3), {"square_avg"}, set()),
+    "rmsprop-momentum": (lambda p: torch.optim.RMSprop(p, lr=1e-3, momentum=0.9), {"square_avg"}, {"momentum_buffer"}),
+    "adagrad": (lambda p: torch.optim.Adagrad(p, lr=0.02), {"sum"}, set()),
+    "amsgrad": (lambda p: torch.optim.AdamW(p, lr=1e-3, amsgrad=True), {"exp_avg_sq", "max_exp_avg_sq"}, {"exp_avg"}),
+    "adamax": (lambda p: torch.optim.Adamax(p, lr=2e-3), {"exp_inf"}, {"exp_avg"}),
+    "adadelta": (lambda p: torch.optim.Adadelta(p), {"square_avg", "acc_delta"}, set()),
+}
+
+
+def _resume_loss(model_state: dict, optimizer_state: dict, make, steps: int = 8) -> float:
+    model = small_model()
+    model.load_state_dict(model_state)
+    optimizer = make(model.parameters())
+    optimizer.load_state_dict(optimizer_state)
+    train_steps(model, optimizer, steps, start=100)
+    generator = torch.Generator().manual_seed(999)
+    x, y = torch.randn(64, 1, 8, 8, generator=generator), torch.randint(0, 10, (64,), generator=generator)
+    with torch.no_grad():
+        return float(torch.nn.functional.cross_entropy(model(x), y))
+
+
+@pytest.mark.parametrize("name", sorted(_OTHER_OPTIMIZERS))
+def test_the_statistics_of_other_torch_optimizers_are_quantized_and_training_resumes(tmp_path, name) -> None:
+    make, positive, signed = _OTHER_OPTIMIZERS[name]
+    model = small_model()
+    optimizer = make(model.parameters())
+    train_steps(model, optimizer, 12)
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    exact = ink.save(state, tmp_path / "exact.ink", policy="lossless")
+    info = ink.save(state, tmp_path / "dq.ink", policy="dynaquant")
+    loaded = ink.load(tmp_path / "dq.ink")
+    entry, restored = state["optimizer"]["state"][2], loaded["optimizer"]["state"][2]  # the (32, 512) weight's
+    assert set(entry) == positive | signed | {"step"}
+    assert_same(restored["step"], entry["step"])
+    for key in positive | signed:
+        assert not torch.equal(restored[key], entry[key]), f"{key} was stored exactly"
+    for key in positive:
+        value, got = entry[key], restored[key]
+        assert torch.all(got >= 0) and torch.equal(got == 0, value == 0), key
+        # Log-domain levels (8 over ~10 decades): nearly every entry within a factor of 4;
+        # the largest 0.5 % (the most active parameters) kept in bf16.
+        octaves = (got[value > 0] / value[value > 0]).log2().abs()
+        assert float((octaves < 2).float().mean()) > 0.98, key
+        top = torch.topk(value.reshape(-1), value.numel() // 400).indices  # inside the 0.5 %
+        assert torch.allclose(got.reshape(-1)[top], value.reshape(-1)[top], rtol=2**-8, atol=0), key
+    # Nothing large is left whole: every class is a fraction of its float32 bytes.
+    assert info.stored_bytes * 4 < exact.stored_bytes
+    # Training resumes from the restored state as it does from the exact one.
+    resumed = _resume_loss(loaded["model"], loaded["optimizer"], make)
+    reference = _resume_loss(state["model"], state["optimizer"], make)
+    assert abs(resumed - reference) < 0.05 * reference
+
+
+def test_centered_rmsprop_keeps_its_square_average_exact(tmp_path) -> None:
+    model = small_model()
+    optimizer = torch.optim.RMSprop(model.parameters(), lr=1e-3, momentum=0.9, centered=True)
+    train_steps(model, optimizer, 12)
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    ink.save(state, tmp_path / "dq.ink", policy="dynaquant")
+    entry, restored = state["optimizer"]["state"][2], ink.load(tmp_path / "dq.ink")["optimizer"]["state"][2]
+    assert_same(restored["square_avg"], entry["square_avg"])
+    assert_same(restored["grad_avg"], entry["grad_avg"])
+    assert not torch.equal(restored["momentum_buffer"], entry["momentum_buffer"])  # a step: rounded
+    denominator = restored["square_avg"] - restored["grad_avg"] ** 2
+    assert torch.equal(denominator, entry["square_avg"] - entry["grad_avg"] ** 2)
+
+
+@pytest.mark.parametrize("name", ["adagrad", "amsgrad"])
+def test_other_optimizers_statistics_are_delta_coded_along_a_chain(tmp_path, name) -> None:
+    make, positive, _ = _OTHER_OPTIMIZERS[name]
+    model = small_model()
+    optimizer = make(model.parameters())
+    states = []
+    with ink.CheckpointManager(tmp_path / "run") as manager:
+        manager.watch(model)
+        for step in range(3):
+            train_steps(model, optimizer, 5, start=5 * step)
+            state = copy.deepcopy({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+            states.append(state)
+            manager.save(step, state)
+        restored = manager.load(2)
+    (last,) = (tmp_path / "run").glob("step-0000000002-*.ink")
+    stored = codecs_and_bytes(last)
+    for key in positive:
+        assert stored[f"optimizer/state/2/{key}"][0] == "dynaquant_delta", key
+        value, got = states[2]["optimizer"]["state"][2][key], restored["optimizer"]["state"][2][key]
+        assert not torch.equal(got, value)
+        assert torch.all(got >= 0) and torch.equal(got == 0, value == 0)
+        octaves = (got[value > 0] / value[value > 0]).log2().abs()
+        assert float((octaves < 2).float().mean()) > 0.98, key
+    assert_same(restored["optimizer"]["state"][2]["step"], states[2]["optimizer"]["state"][2]["step"])
+
+
+def test_a_statistic_named_non_negative_that_is_not_stays_exact(tmp_path) -> None:
+    # Another optimizer may keep a signed tensor under Adagrad's entry name "sum".
+    generator = torch.Generator().manual_seed(0)
+    signed, positive = torch.randn(64, 64, generator=generator), torch.rand(64, 64, generator=generator)
+    state = {
+        "model": {"a.weight": torch.randn(64, 64, generator=generator), "b.weight": torch.randn(64, 64, generator=generator)},
+        "optimizer": {"state": {0: {"sum": signed}, 1: {"sum": positive}}, "param_groups": []},
+    }
+    ink.save(state, tmp_path / "s.ink", policy="dynaquant")
+    loaded = ink.load(tmp_path / "s.ink")["optimizer"]["state"]
+    assert_same(loaded[0]["sum"], signed)
+    assert not torch.equal(loaded[1]["sum"], positive)  # a real accumulator is coded
+    assert torch.all(loaded[1]["sum"] >= 0)

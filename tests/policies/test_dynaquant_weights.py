@@ -1,0 +1,475 @@
+"""How DynaQuant stores weights: budgets (frozen, movement, evaluate), levels per tensor,\nchanges, frozen layers and precision that only grows."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import inshrinkerator as ink
+from inshrinkerator.codecs import DynaQuantCodec, DynaQuantDeltaCodec
+from inshrinkerator.policies import DynaQuant
+from inshrinkerator.tree import flatten, format_key_path
+
+from ..helpers import encode_planned
+from .dynaquant_states import one_thread, train_steps, trained_states  # noqa: F401 - one_thread: autouse
+
+
+def test_user_evaluate_decides_and_tolerance_trades_size_for_quality() -> None:
+    _, (state,) = trained_states(1)
+    reference = state["model"]["3.weight"].clone()
+    calls = []
+
+    def evaluate(model_state: dict[str, torch.Tensor]) -> float:
+        calls.append(sorted(model_state))
+        return 1.0 + float((model_state["3.weight"] - reference).norm() / reference.norm())
+
+    flat = flatten(state)
+    chosen = []
+    for tolerance in (0.1, 0.5):
+        policy = DynaQuant(tolerance=tolerance, evaluate=evaluate)
+        policy.plan(flat.tensors, [None] * len(flat.tensors))
+        record = policy.search_log[-1]
+        assert record.feasible and record.quality <= tolerance
+        chosen.append(record.config["bins"] * (1 - record.config["prune"]))
+    assert chosen[0] > chosen[1]
+    assert calls and "3.weight" in calls[0] and "0.bias" in calls[0]
+
+
+def test_evaluate_gets_every_key_of_a_model_with_tied_weights() -> None:
+    # A language model's output layer shares the embedding's tensor: its state_dict holds
+    # it under both keys, and a strict load_state_dict wants both.
+    def language_model() -> torch.nn.Module:
+        model = torch.nn.Sequential(torch.nn.Embedding(256, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 256))
+        model[2].weight = model[0].weight
+        return model
+
+    torch.manual_seed(0)
+    model, scratch = language_model(), language_model()
+    tokens = torch.randint(256, (8, 16), generator=torch.Generator().manual_seed(1))
+
+    def evaluate(model_state: dict[str, torch.Tensor]) -> float:
+        scratch.load_state_dict(model_state)  # strict
+        with torch.no_grad():
+            return float(torch.nn.functional.cross_entropy(scratch(tokens).reshape(-1, 256), tokens.reshape(-1)))
+
+    state = {"model": model.state_dict(), "step": 1}
+    flat = flatten(state)
+    assert [leaf.aliases for leaf in flat.tensors if leaf.path == ("model", "0.weight")] == [(("model", "2.weight"),)]
+    policy = DynaQuant(evaluate=evaluate, tolerance=0.05)
+    codecs = dict(zip((format_key_path(leaf.path) for leaf in flat.tensors), policy.plan(flat.tensors, [None] * len(flat.tensors))))
+    assert policy.search_log[-1].feasible and not codecs["model/0.weight"].lossless
+
+
+def test_evaluate_cannot_spend_what_a_frozen_or_moved_weight_may_lose() -> None:
+    # An evaluate blind to a weight (a head that is not trained yet hides the encoder) would
+    # let the search prune and coarsen it at will; a frozen weight keeps its error for good,
+    # and a moved one loses its training at a restore. Both stay within their own budgets.
+    model, state = _two_layer_state(frozen_first=True)
+    flat = flatten(state)
+    keys = [format_key_path(leaf.path) for leaf in flat.tensors]
+    blind = DynaQuant(evaluate=lambda model_state: 1.0, frozen_tolerance=1e-3)
+    blind.watch(model)
+    trained = flat.tensors[keys.index("model/2.weight")].tensor
+    reference = trained + 0.1 * trained.std() * torch.randn(trained.shape, generator=torch.Generator().manual_seed(5))
+    references = [reference if key == "model/2.weight" else None for key in keys]
+    codecs = dict(zip(keys, blind.plan(flat.tensors, references)))
+    assert blind.search_log[-1].feasible
+
+    def relative_error(key: str, ref=None) -> float:
+        tensor = flat.tensors[keys.index(key)].tensor
+        restored = codecs[key].encode(tensor, ref).reconstruction
+        return float((restored - tensor).pow(2).sum() / tensor.pow(2).sum())
+
+    assert relative_error("model/0.weight") <= 1e-3  # frozen: its own budget, not "anything goes"
+    moved = float((trained - reference).pow(2).sum() / trained.pow(2).sum())
+    assert relative_error("model/2.weight", reference) <= blind.movement_share * moved
+    # The search still goes as far as those budgets allow: coarser than the proxy's default.
+    proxy = DynaQuant(frozen_tolerance=1e-3)
+    proxy.watch(model)
+    proxy.plan(flat.tensors, references)
+    assert blind.search_log[-1].config["prune"] >= proxy.search_log[-1].config["prune"]
+
+
+def test_nothing_feasible_keeps_the_weights_exact() -> None:
+    _, (state,) = trained_states(1)
+    policy = DynaQuant(evaluate=lambda model_state: float(torch.rand(1)) + 10.0, tolerance=1e-9)
+    flat = flatten(state)
+    codecs = policy.plan(flat.tensors, [None] * len(flat.tensors))
+    weights = [c for leaf, c in zip(flat.tensors, codecs) if leaf.path[0] == "model"]
+    assert all(codec.lossless for codec in weights)
+    assert policy.search_log[-1].feasible is False
+
+
+def test_frozen_weights_get_the_tighter_budget() -> None:
+    model, _ = trained_states(1)
+    model[0].weight.requires_grad_(False)
+    policy = DynaQuant(tolerance=0.01, frozen_tolerance=0.0001)
+    policy.watch(model)
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], 1e-3)
+    train_steps(model, optimizer, 2, start=50)
+    flat = flatten({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+    from inshrinkerator.policies.state_layout import TensorRole, layout_of
+
+    layout = layout_of(flat.tensors)
+    weights = [i for i in layout.indices(TensorRole.WEIGHT) if flat.tensors[i].tensor.numel() >= policy.min_numel]
+    frozen, _ = policy._frozen(flat.tensors, layout, weights)
+    assert [format_key_path(flat.tensors[i].path) for i in frozen] == []  # conv weight is small
+    model[3].weight.requires_grad_(False)  # read at the save: no need to watch again
+    frozen, vouched = policy._frozen(flat.tensors, layout, weights)
+    assert [format_key_path(flat.tensors[i].path) for i in frozen] == ["model/3.weight"]
+    assert vouched == set(frozen)
+
+
+def test_weights_the_watch_does_not_know_are_judged_by_their_optimizer_state() -> None:
+    # A second model in the state (only one watched), or a watched model since replaced:
+    # the watch cannot say whether their weights train, so, as when nothing is watched, a
+    # weight with optimizer state trains (it used to count as frozen and stay on its levels).
+    from inshrinkerator.policies.state_layout import TensorRole, layout_of
+
+    watched, _ = _two_layer_state(frozen_first=False)
+    other = torch.nn.Sequential(torch.nn.Identity(), *_two_layer_state(frozen_first=False)[0])  # other names
+    optimizer = torch.optim.Adam([*watched.parameters(), *other.parameters()], 1e-3)
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(0))
+    (watched(x).pow(2).mean() + other(x).pow(2).mean()).backward()
+    optimizer.step()
+    policy = DynaQuant()
+    policy.watch(watched)
+    watched[2].requires_grad_(False)
+    flat = flatten({"a": watched.state_dict(), "b": other.state_dict(), "optimizer": optimizer.state_dict()})
+    layout = layout_of(flat.tensors)
+    weights = [i for i in layout.indices(TensorRole.WEIGHT) if flat.tensors[i].tensor.numel() >= policy.min_numel]
+    assert len(weights) == 4
+
+    def named(indices) -> list[str]:
+        return sorted(format_key_path(flat.tensors[i].path) for i in indices)
+
+    frozen, vouched = policy._frozen(flat.tensors, layout, weights)
+    assert named(frozen) == named(vouched) == ["a/2.weight"]  # the watch knows only model a
+    # Rebuilt in the same process (after a restore, say) without watching the new model:
+    # the watched parameters are gone, and every weight of the new state has optimizer state.
+    del watched, other, optimizer, flat
+    gc.collect()
+    rebuilt, _ = _two_layer_state(frozen_first=False)
+    optimizer = torch.optim.Adam(rebuilt.parameters(), 1e-3)
+    rebuilt(x).pow(2).mean().backward()
+    optimizer.step()
+    flat = flatten({"a": rebuilt.state_dict(), "optimizer": optimizer.state_dict()})
+    layout = layout_of(flat.tensors)
+    weights = [i for i in layout.indices(TensorRole.WEIGHT) if flat.tensors[i].tensor.numel() >= policy.min_numel]
+    assert len(weights) == 2 and policy._frozen(flat.tensors, layout, weights) == ([], set())
+
+
+def _two_layer_state(frozen_first: bool) -> tuple[torch.nn.Module, dict]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
+    if frozen_first:
+        model[0].requires_grad_(False)
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], 1e-3)
+    for step in range(3):
+        x = torch.randn(32, 64, generator=torch.Generator().manual_seed(step))
+        loss = model(x).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return model, {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+
+
+def test_a_weight_that_cannot_meet_its_budget_is_stored_exactly_and_the_others_quantized() -> None:
+    model, state = _two_layer_state(frozen_first=True)
+    policy = DynaQuant(frozen_tolerance=1e-9)  # no grid point reaches it
+    policy.watch(model)
+    flat = flatten(state)
+    codecs = dict(zip((format_key_path(leaf.path) for leaf in flat.tensors), policy.plan(flat.tensors, [None] * len(flat.tensors))))
+    assert codecs["model/0.weight"].lossless
+    assert isinstance(codecs["model/2.weight"], DynaQuantCodec)
+    record = policy.search_log[-1]
+    assert record.feasible and record.config["lossless_tensors"] == 1
+    assert record.quality <= policy.tolerance
+
+
+def test_each_weight_gets_the_fewest_bins_that_keep_its_own_error_within_budget() -> None:
+    from inshrinkerator.policies.dynaquant_search import ConfigurationCube
+    from inshrinkerator.policies.quantization_trials import WeightTrial
+
+    generator = torch.Generator().manual_seed(1)
+    hard = torch.randn(4096, generator=generator)
+    easy = torch.tensor([-0.5, 0.25, 1.0])[torch.randint(0, 3, (4096,), generator=generator)]
+    leaves = flatten({"hard": hard, "easy": easy}).tensors
+    trials = {i: WeightTrial(leaf.tensor, "linear", None, None, 1.0) for i, leaf in enumerate(leaves)}
+    bins, budget = (128, 64, 32, 16, 8, 4), 0.003
+    cube = ConfigurationCube(trials, leaves, bins, (128,), (0.0,), (0.0,), budget)
+    point, metric, _ = cube.search(None, 1)
+    shared = bins[point[0]]
+    cube.refine(point, metric)
+    assert cube.quality(point, metric) <= budget
+    chosen = {format_key_path(leaves[i].path): cube.config(i, point, metric).bins for i in trials}
+    assert chosen["hard"] == shared  # the hardest tensor set the shared count
+    assert chosen["easy"] == 4 < shared
+    for index in trials:
+        assert cube.result(index, point, metric).error <= budget
+
+
+def test_a_weight_that_moved_less_than_its_levels_can_hold_is_stored_as_its_quantized_change() -> None:
+    from inshrinkerator.codecs import ResidualCodec
+
+    _, (state,) = trained_states(1)
+    flat = flatten(state)
+    keys = [format_key_path(leaf.path) for leaf in flat.tensors]
+    generator = torch.Generator().manual_seed(3)
+    # The reference differs from model/3.weight by 1e-6 of its energy: far less than the
+    # error of any level grid; the other tensors have no reference.
+    references = [None] * len(keys)
+    weight = flat.tensors[keys.index("model/3.weight")].tensor
+    reference = weight + 1e-3 * weight.std() * torch.randn(weight.shape, generator=generator)
+    references[keys.index("model/3.weight")] = reference
+    policy = DynaQuant()
+    codecs = dict(zip(keys, policy.plan(flat.tensors, references)))
+    codec = codecs["model/3.weight"]
+    assert isinstance(codec, ResidualCodec)
+    assert policy.search_log[-1].config.get("residual_tensors", 1) == 1
+    restored = codec.encode(weight, reference).reconstruction
+    moved, error = float((weight - reference).pow(2).sum()), float((restored - weight).pow(2).sum())
+    assert error <= 0.1 * moved
+
+
+def _moved_weight_coding(policy: DynaQuant, spread: float = 1e-3) -> tuple[dict, float, int]:
+    """(the search's configuration, error / squared movement, bytes) of model/3.weight
+    planned by ``policy`` against a reference ``spread`` of its standard deviation away."""
+    _, (state,) = trained_states(1)
+    flat = flatten(state)
+    keys = [format_key_path(leaf.path) for leaf in flat.tensors]
+    weight = flat.tensors[keys.index("model/3.weight")].tensor
+    reference = weight + spread * weight.std() * torch.randn(weight.shape, generator=torch.Generator().manual_seed(3))
+    references = [reference if key == "model/3.weight" else None for key in keys]
+    codec = dict(zip(keys, policy.plan(flat.tensors, references)))["model/3.weight"]
+    encoded = codec.encode(weight, reference)
+    error = float((encoded.reconstruction - weight).pow(2).sum()) / float((weight - reference).pow(2).sum())
+    return policy.search_log[-1].config, error, sum(len(s) for s in encoded.streams)
+
+
+def _residual_coding(grid: tuple[int, ...]) -> tuple[dict, float, int]:
+    """(levels used, error / squared movement, bytes) of model/3.weight coded as its change
+    since a reference 1e-3 of its spread away, under ``residual_bins=grid``."""
+    config, error, size = _moved_weight_coding(DynaQuant(residual_bins=grid))
+    return config["residual_tensors_by_bins"], error, size
+
+
+def test_a_stored_change_takes_the_fewest_levels_that_keep_it_within_the_movement_budget() -> None:
+    # 16 fixed levels leave a Gaussian change ~1 % of its energy as error, 10x inside the
+    # budget (0.1 of it); the search goes to fewer levels and stops before crossing it.
+    fixed, fixed_error, fixed_bytes = _residual_coding((16,))
+    assert fixed == {16: 1} and fixed_error < 0.03
+    levels, error, size = _residual_coding((16, 12, 8, 6, 4))
+    (chosen,) = levels
+    assert chosen < 16 and fixed_error < error <= 0.1
+    assert size < 0.8 * fixed_bytes
+    # The next coarser grid entry would have crossed it.
+    grid = (16, 12, 8, 6, 4)
+    _, coarser_error, _ = _residual_coding((grid[grid.index(chosen) + 1],))
+    assert coarser_error > 0.1
+    # When even the first grid entry misses the budget, the change is stored with it.
+    first, first_error, _ = _residual_coding((4, 2))
+    assert first == {4: 1} and first_error > 0.1
+
+
+@pytest.mark.parametrize("spread", [1e-3, 0.1], ids=["change-coded", "level-coded"])
+def test_movement_share_bounds_what_a_moved_weight_may_lose(spread) -> None:
+    # A weight that moved 1e-3 of its spread is stored as its change; one that moved 0.1
+    # of it on the search's levels. Either way its error stays within movement_share of
+    # its squared movement, and a larger share stores it in fewer bytes.
+    results = {}
+    for share in (0.05, 0.5):
+        policy = DynaQuant(movement_share=share, residual_bins=(16, 12, 8, 6, 4, 3, 2))
+        config, error, size = _moved_weight_coding(policy, spread)
+        assert error <= share
+        assert bool(config["residual_tensors"]) == (spread < 0.01)
+        results[share] = error, size
+    (tight_error, tight_bytes), (loose_error, loose_bytes) = results[0.05], results[0.5]
+    assert loose_error > tight_error and loose_bytes < 0.8 * tight_bytes
+
+
+@pytest.mark.parametrize("spread, as_change", [(0.3, True), (0.1, False)], ids=["far", "near"])
+def test_a_weight_that_crossed_many_cells_is_stored_as_its_change_where_that_is_smaller(
+    monkeypatch, spread, as_change
+) -> None:
+    # Moved 0.3 of its spread, model/3.weight's level ids cost ~3.6 bits per element and its
+    # change on 10 levels ~3.2: the change is stored. Moved 0.1, the ids cost ~2.7 bits, the
+    # change is encoded too but loses, and the level ids stay.
+    from inshrinkerator.codecs import ResidualCodec
+    import inshrinkerator.policies.dynaquant_weights as weights_module
+
+    config, error, size = _moved_weight_coding(DynaQuant(), spread)
+    assert config["change_coded_tensors"] == int(as_change)
+    assert error <= 0.1  # within movement_share of the squared movement either way
+    monkeypatch.setattr(weights_module, "CHANGE_TRIAL_BITS", float("inf"))  # never tried
+    levels_config, levels_error, levels_size = _moved_weight_coding(DynaQuant(), spread)
+    assert "change_coded_tensors" not in levels_config
+    if as_change:
+        assert size < levels_size and error != levels_error
+    else:
+        assert (size, error) == (levels_size, levels_error)
+    # The codec the writer gets is the one that was measured.
+    _, (state,) = trained_states(1)
+    flat = flatten(state)
+    keys = [format_key_path(leaf.path) for leaf in flat.tensors]
+    monkeypatch.undo()
+    weight = flat.tensors[keys.index("model/3.weight")].tensor
+    reference = weight + spread * weight.std() * torch.randn(weight.shape, generator=torch.Generator().manual_seed(3))
+    codecs = DynaQuant().plan(flat.tensors, [reference if key == "model/3.weight" else None for key in keys])
+    assert isinstance(codecs[keys.index("model/3.weight")], ResidualCodec) == as_change
+
+
+def test_the_entropy_figures_count_the_encodings_stored_not_those_discarded(monkeypatch) -> None:
+    # model/3.weight moved 0.3 of its spread: its level ids are encoded, then its change,
+    # which is stored. The policy's entropy figures count the change's coded symbols, not
+    # the discarded ids'; everything else is planned alike with and without the change trial.
+    from inshrinkerator.codecs import ResidualCodec
+    from inshrinkerator.codecs.bucket_delta import EntropyStats
+    import inshrinkerator.policies.dynaquant_weights as weights_module
+
+    _, (state,) = trained_states(1)
+    flat = flatten(state)
+    keys = [format_key_path(leaf.path) for leaf in flat.tensors]
+    index = keys.index("model/3.weight")
+    weight = flat.tensors[index].tensor
+    reference = weight + 0.3 * weight.std() * torch.randn(weight.shape, generator=torch.Generator().manual_seed(3))
+    references = [reference if key == "model/3.weight" else None for key in keys]
+
+    def payload_counted(codec) -> int:
+        # The coded symbols' bytes of one more encoding of ``codec``, counted apart.
+        stats = EntropyStats()
+        inner = codec._inner if isinstance(codec, ResidualCodec) else codec  # noqa: SLF001
+        counted = type(inner).from_config(inner.get_config())
+        counted._hints = {**inner._hints, "stats": stats}  # noqa: SLF001
+        (ResidualCodec(counted) if isinstance(codec, ResidualCodec) else counted).encode(weight, reference)
+        return stats.payload_bytes
+
+    with_change = DynaQuant()
+    change = with_change.plan(flat.tensors, references)[index]
+    monkeypatch.setattr(weights_module, "CHANGE_TRIAL_BITS", float("inf"))
+    levels_only = DynaQuant()
+    levels = levels_only.plan(flat.tensors, references)[index]
+    assert isinstance(change, ResidualCodec) and isinstance(levels, DynaQuantDeltaCodec)
+    counted = with_change.entropy_stats.payload_bytes - levels_only.entropy_stats.payload_bytes
+    assert counted == payload_counted(change) - payload_counted(levels) < 0
+
+
+def _train_two_layers(model: torch.nn.Module, optimizer: torch.optim.Optimizer, start: int) -> None:
+    for step in range(start, start + 3):
+        x = torch.randn(32, 64, generator=torch.Generator().manual_seed(step))
+        loss = model(x).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+def _plan_and_encode(policy: DynaQuant, model: torch.nn.Module, optimizer: torch.optim.Optimizer, references):
+    """(codecs, encodings, true tensors) by key, of the model and optimizer state now."""
+    flat = flatten({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+    keys = [format_key_path(leaf.path) for leaf in flat.tensors]
+    refs = [references.get(key) for key in keys] if references else [None] * len(keys)
+    codecs = policy.plan(flat.tensors, refs)
+    encoded = dict(zip(keys, encode_planned(flat.tensors, codecs, refs)))
+    return dict(zip(keys, codecs)), encoded, {key: leaf.tensor.clone() for key, leaf in zip(keys, flat.tensors)}
+
+
+def test_a_frozen_weight_is_not_recoded_at_every_delta() -> None:
+    # Its difference from the reference is the reference's own error, not movement: the
+    # delta stores it as its reference (no bytes) instead of coding that error again.
+    from inshrinkerator.codecs import ResidualCodec, UnchangedCodec
+
+    model, _ = _two_layer_state(frozen_first=True)
+    policy = DynaQuant()
+    policy.watch(model)
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], 1e-3)
+
+    def size(encoded) -> int:
+        return sum(len(bytes(stream)) for stream in encoded.streams)
+
+    _train_two_layers(model, optimizer, 0)
+    _, full, _ = _plan_and_encode(policy, model, optimizer, None)
+    _train_two_layers(model, optimizer, 10)
+    references = {key: e.reconstruction for key, e in full.items() if e.reconstruction is not None}
+    codecs, delta, true = _plan_and_encode(policy, model, optimizer, references)
+    frozen, trained = "model/0.weight", "model/2.weight"
+    # Coding its error again took ~3 bits per value; re-coding it on the same levels, a
+    # level table and a fraction of a bit per value; now nothing.
+    assert isinstance(codecs[frozen], UnchangedCodec)
+    assert size(delta[frozen]) == 0
+    assert torch.equal(delta[frozen].reconstruction, references[frozen])  # the stored levels
+    # A frozen layer given new values by hand is over the frozen budget: stored again.
+    with torch.no_grad():
+        model[0].weight.mul_(1.5)
+    codecs, again, true = _plan_and_encode(policy, model, optimizer, references)
+    assert not isinstance(codecs[frozen], UnchangedCodec)
+    rebuilt = again[frozen].reconstruction if again[frozen].reconstruction is not None else true[frozen]
+    assert float((rebuilt - true[frozen]).pow(2).sum()) <= policy.frozen_tolerance * float(true[frozen].pow(2).sum())
+    # The trained weight moved, so its delta still codes the movement.
+    assert isinstance(codecs[trained], (ResidualCodec, DynaQuantDeltaCodec))
+    assert size(delta[trained]) > 0.2 * size(full[trained])
+
+
+def test_precision_only_grows_between_checkpoints() -> None:
+    model, states = trained_states(2)
+    policy = DynaQuant()
+    policy.watch(model)
+    flat = flatten(states[0])
+    codecs = policy.plan(flat.tensors, [None] * len(flat.tensors))
+    first = policy.search_log[-1].config["tensors_by_bins"]
+    # Re-save what a restore would hold: the quantized weights, which now look easy.
+    restored = [encoded.reconstruction if not codec.lossless else None
+                for codec, encoded in zip(codecs, encode_planned(flat.tensors, codecs))]
+    leaves = [type(leaf)(leaf.path, rebuilt if rebuilt is not None else leaf.tensor)
+              for leaf, rebuilt in zip(flat.tensors, restored)]
+    policy.plan(leaves, [None] * len(leaves))
+    second = policy.search_log[-1].config["tensors_by_bins"]
+    assert min(int(b) for b in second) >= min(int(b) for b in first)
+    loose = DynaQuant(precision_only_grows=False)
+    loose.watch(model)
+    loose.plan(flat.tensors, [None] * len(flat.tensors))
+    loose.plan(leaves, [None] * len(leaves))
+    assert min(int(b) for b in loose.search_log[-1].config["tensors_by_bins"]) <= min(int(b) for b in second)
+
+
+def test_a_layer_unfrozen_after_watch_has_its_movement_coded() -> None:
+    # Progressive unfreezing: the layer was frozen when the model was watched and trains
+    # later. Whether a weight trains is read at save time, so its small steps are coded as
+    # movement, not rounded away as a frozen layer's would be.
+    model, _ = _two_layer_state(frozen_first=True)
+    policy = DynaQuant()
+    policy.watch(model)
+    model[0].requires_grad_(True)
+    optimizer = torch.optim.Adam(model.parameters(), 1e-4)
+    key = "model/0.weight"
+    _train_two_layers(model, optimizer, 0)
+    _, full, before = _plan_and_encode(policy, model, optimizer, None)
+    _train_two_layers(model, optimizer, 10)
+    references = {k: e.reconstruction for k, e in full.items() if e.reconstruction is not None}
+    _, delta, true = _plan_and_encode(policy, model, optimizer, references)
+    # A frozen layer's delta keeps the full checkpoint's levels (its error stays about the
+    # reference's); a trained one is bounded by its movement, measured from the reference.
+    kept_error = float((references[key] - true[key]).pow(2).sum())
+    delta_error = float((delta[key].reconstruction - true[key]).pow(2).sum())
+    assert float((true[key] - before[key]).abs().max()) > 0
+    assert delta_error < 0.5 * kept_error
+
+
+def test_a_manager_averages_the_gradients_of_a_layer_unfrozen_after_watch(tmp_path) -> None:
+    # Its sensitivity then comes from gradients from the save after unfreezing on, without
+    # watching the model again (which would forget the other layers' averages).
+    from inshrinkerator.tree import TensorLeaf
+
+    model, _ = _two_layer_state(frozen_first=True)
+    with ink.CheckpointManager(tmp_path / "run") as mgr:
+        mgr.watch(model)
+        watch = mgr.policy._memory.watch
+        model[0].requires_grad_(True)
+        optimizer = torch.optim.Adam(model.parameters(), 1e-4)
+        _train_two_layers(model, optimizer, 0)
+        first = TensorLeaf(("model", "0.weight"), model[0].weight.detach())
+        assert watch.gradient_average(first) is None  # no hook before a save
+        mgr.save(1, {"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+        _train_two_layers(model, optimizer, 10)
+        assert watch.gradient_average(first) is not None
