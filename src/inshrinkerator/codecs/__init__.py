@@ -12,13 +12,8 @@ from .kmeans_quantize import KMeansQuantizeCodec
 from .uniform_quantize import UniformQuantizeCodec
 from .entropy_width_quantize import EntropyWidthQuantizeCodec
 from .cyclic_code_delta import CyclicCodeDeltaCodec
-from .dynaquant import (
-    DynaQuantCodec,
-    DynaQuantDeltaCodec,
-    DynaQuantGroupedCodec,
-    DynaQuantMaskedCodec,
-    DynaQuantMaskedDeltaCodec,
-)
+from .dynaquant import DynaQuantCodec, DynaQuantDeltaCodec
+from .dynaquant_context import DynaQuantGroupedCodec, DynaQuantMaskedCodec, DynaQuantMaskedDeltaCodec
 from .factored_moment import FactoredMomentCodec
 from .unchanged import UnchangedCodec
 

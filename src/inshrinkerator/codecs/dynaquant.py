@@ -11,9 +11,9 @@ needed (no ids are carried), and because the reference is the reconstruction the
 decoded tensor is exactly what the encoder produced: no drift along a chain. A
 fingerprint of the reference is stored, so decoding against another tensor is a
 :class:`~inshrinkerator.errors.BrokenChainError`, never silent garbage.
-``DynaQuantMaskedCodec`` and ``DynaQuantMaskedDeltaCodec`` code only the entries where
-another tensor of the same checkpoint (its context: a first moment, for its second
-moment) is non-zero; the others are 0, and the mask costs nothing.
+In :mod:`.dynaquant_context`, ``DynaQuantMaskedCodec`` and ``DynaQuantMaskedDeltaCodec``
+code only the entries where another tensor of the same checkpoint (its context: a first
+moment, for its second moment) is non-zero; the others are 0, and the mask costs nothing.
 ``DynaQuantGroupedCodec`` codes its ids in one stream per octave of its context (a
 second moment, for its first moment): Adam's ``|m|`` follows ``sqrt(v)``, so each
 octave's ids have a narrower distribution than the whole tensor's.
@@ -30,9 +30,9 @@ Stream layout (one stream, little-endian; ``varint`` is unsigned LEB128)::
     u32 reference fingerprint (0 for a full tensor), varint protected count,
     f32[n] level values, protected values (2 bytes each), id stream (the rest)
 
-In ``dynaquant_grouped`` streams the id stream is one framed stream per octave group
-of the context, ascending (:func:`octave_groups`): ``varint length`` + that many bytes,
-and nothing after the last.
+In ``dynaquant_grouped`` streams the id stream is one framed stream per octave group of
+the context, ascending (:func:`~.octave_groups.octave_groups`): ``varint length`` + that
+many bytes, and nothing after the last.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from typing import Any, Optional
 import torch
 
 from ..errors import BrokenChainError, CorruptCheckpointError, FormatError
-from ._numpy_paths import nonzero_positions, positions_differing, positions_of, select, stable_argsort
+from ._numpy_paths import nonzero_positions, positions_differing, positions_of
 from ._parallel import parallel_map_sized
 from .base import Codec, Encoded, TensorSpec
 from .bucket_delta import MAX_LEVELS, EntropyStats, decode_bucket_ids, encode_bucket_ids, id_dtype
@@ -63,16 +63,15 @@ from .nonuniform_quantizer import (
     reconstruct,
     stick_to_predicted,
 )
+from .octave_groups import OctaveGroups
 from .prepared import PreparedEncoding
 from .registry import register_codec
 from .scratch import scratch
 from .varint import decode_varint, encode_varint
 
 __all__ = [
-    "DynaQuantCodec", "DynaQuantDeltaCodec", "DynaQuantGroupedCodec", "DynaQuantMaskedCodec",
-    "DynaQuantMaskedDeltaCodec", "GROUP_MIN_ELEMENTS", "check_reference_fingerprint", "magnitude_thresholds",
-    "OctaveGroups", "octave_groups", "predicted_ids",
-    "reference_fingerprint",
+    "DynaQuantCodec", "DynaQuantDeltaCodec", "check_reference_fingerprint", "magnitude_thresholds",
+    "predicted_ids", "reference_fingerprint",
 ]
 
 _LAYOUT = struct.Struct("<BBHHHHI")
@@ -86,6 +85,9 @@ _MAX_BINS = 1024
 #: there; above it, it would dominate the encoding time).
 REARRANGE_MAX_ELEMENTS = 1 << 18
 _FINGERPRINT_SAMPLES = 4096
+# A group's ids are also ANS-coded (and the smaller coding kept) only up to this many: above
+# it the Huffman frames' fixed cost is small, and the ANS pass would double the group's time.
+_GROUP_SMALL_STREAM = 4096
 _DEFAULTS = {"bins": 16, "prune": 0.0, "protect": 0.0, "sigma": 0.2, "domain": LINEAR, "stickiness": 0.0}
 
 
@@ -107,98 +109,6 @@ def _signed_keys(values: torch.Tensor) -> torch.Tensor:
     keys = scratch("keys", flat.numel(), torch.int32, flat.device)
     torch.bitwise_right_shift(flat.contiguous().view(torch.int32), 23 - MANTISSA_BITS, out=keys)
     return keys.bitwise_and_(SIGNED_KEYS - 1)
-
-
-#: A context octave group holds at least this many elements (the smallest octaves join the
-#: next ones up; a short last group joins the one before): a group's stream header is a
-#: few bytes, and an octave holding a handful of ids cannot pay for it.
-GROUP_MIN_ELEMENTS = 1024
-# A group's ids are also ANS-coded (and the smaller coding kept) only up to this many: above
-# it the Huffman frames' fixed cost is small, and the ANS pass would double the group's time.
-_GROUP_SMALL_STREAM = 4096
-
-
-class OctaveGroups:
-    """The entries of a context sorted (stably) by the octave of their value, cut into the
-    groups whose ids are coded as one stream each (:func:`octave_groups`).
-
-    ``sizes`` are the groups' lengths, in order. :meth:`gather` takes a tensor's entries in
-    that order and :meth:`scatter` puts them back, without sorting all positions where one
-    octave holds most of them (a sparse layer's second moment is mostly zeros): that
-    octave's positions are one block of the order, in place, and only the others are
-    sorted.
-    """
-
-    def __init__(self, octave: torch.Tensor, counts: list[int], sizes: list[int]) -> None:
-        self.sizes = sizes
-        self._numel = octave.numel()
-        top = max(range(len(counts)), key=counts.__getitem__)
-        self._top: Optional[torch.Tensor] = None  # the mask of the dominant octave's entries
-        if 2 * counts[top] <= self._numel:
-            self._sorted = stable_argsort(octave)  # every position, in order
-            self._below = 0
-        else:
-            self._top = octave == top
-            others = torch.nonzero(~self._top).reshape(-1)
-            self._sorted = others[stable_argsort(octave[others])]  # the others, in order
-            self._below = sum(counts[:top])
-
-    def order(self) -> torch.Tensor:
-        """Every flat position, in group order."""
-        if self._top is None:
-            return self._sorted
-        top = torch.nonzero(self._top).reshape(-1)
-        return torch.cat([self._sorted[: self._below], top, self._sorted[self._below :]])
-
-    def gather(self, values: torch.Tensor) -> torch.Tensor:
-        """``values`` (flat, one per context entry) in group order."""
-        sorted_ = self._sorted.to(values.device)
-        if self._top is None:
-            return values[sorted_]
-        top = select(values, self._top.to(values.device))
-        return torch.cat([values[sorted_[: self._below]], top, values[sorted_[self._below :]]])
-
-    def scatter(self, grouped: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """The inverse of :meth:`gather`: ``grouped`` written to the positions of ``out``."""
-        sorted_ = self._sorted.to(out.device)
-        if self._top is None:
-            out[sorted_] = grouped
-            return out
-        end = self._numel - (sorted_.numel() - self._below)
-        out.masked_scatter_(self._top.to(out.device), grouped[self._below : end])
-        out[sorted_] = torch.cat([grouped[: self._below], grouped[end:]])
-        return out
-
-
-def octave_groups(context: torch.Tensor) -> OctaveGroups:
-    """The groups of ``context``'s entries by the octave of their value, ascending, each
-    holding at least :data:`GROUP_MIN_ELEMENTS` (but a tensor with fewer entries: one group).
-
-    The octave is the biased exponent of the value as a float32 (its bits 23-30): 0 for
-    zeros and subnormals, 255 for infinities and NaN, one key per power of two between.
-    Within a group the entries are ordered by octave, then by position. A pure function
-    of the values, exact on any device, so encoder and decoder derive the same groups
-    from the same reconstruction.
-    """
-    values = context.detach().reshape(-1)
-    if values.dtype != torch.float32:
-        values = values.float()
-    bits = values.contiguous().view(torch.int32)
-    octave = torch.bitwise_right_shift(bits, 23).bitwise_and_(255).to(torch.uint8)
-    counts = torch.bincount(octave, minlength=256).tolist()
-    sizes: list[int] = []
-    pending = 0
-    for count in counts:
-        pending += count
-        if pending >= GROUP_MIN_ELEMENTS:
-            sizes.append(pending)
-            pending = 0
-    if pending:
-        if sizes:
-            sizes[-1] += pending
-        else:
-            sizes.append(pending)
-    return OctaveGroups(octave, counts, sizes)
 
 
 def check_reference_fingerprint(codec_id: str, fingerprint: int, reference: torch.Tensor) -> None:
@@ -568,123 +478,3 @@ class DynaQuantDeltaCodec(DynaQuantCodec):
         reference: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         return self._decode(streams, spec, self._check_reference(spec, reference))
-
-
-
-class _Contextual:
-    """A codec that also decodes with another tensor of the same file: its context.
-
-    Subclasses say what the context tells ``_encode`` / ``_decode`` (:meth:`_context_options`)
-    and which reference they take (:meth:`_own_reference`).
-    """
-
-    codec_id: str
-    uses_context = True
-    _context_key: Optional[str] = None
-
-    @property
-    def context_key(self) -> Optional[str]:
-        """The formatted key path of the context tensor in the state (set when planned)."""
-        return self._context_key
-
-    def against(self, context_key: str) -> "Any":
-        """This codec, planned to decode with the tensor at ``context_key``."""
-        self._context_key = context_key
-        return self
-
-    def standalone(self) -> "DynaQuantCodec":
-        """The codec this one extends, without a context: same options and hints (for a
-        tensor that must be stored on its own, e.g. when a delta step is rebased)."""
-        base = next(cls for cls in type(self).__mro__[1:] if issubclass(cls, DynaQuantCodec) and not issubclass(cls, _Contextual))
-        codec = base.from_config({**self.get_config(), "id": base.codec_id})  # type: ignore[attr-defined]
-        codec._hints = dict(self._hints)  # type: ignore[attr-defined]
-        return codec  # type: ignore[return-value]
-
-    def _context(self, spec: TensorSpec, context: Optional[torch.Tensor]) -> torch.Tensor:
-        if context is None:
-            raise FormatError(
-                f"{self.codec_id}: this tensor is decoded with another tensor of the file, which was not given"
-            )
-        if context.numel() != spec.numel:
-            raise FormatError(
-                f"{self.codec_id}: the context tensor has {context.numel()} elements, this tensor {spec.numel}"
-            )
-        return context.detach().reshape(-1)
-
-    def _context_options(self, context: torch.Tensor, device: torch.device) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def _own_reference(self, spec: TensorSpec, reference: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        return None
-
-    def encode(
-        self,
-        tensor: torch.Tensor,
-        reference: Optional[torch.Tensor] = None,
-        context: Optional[torch.Tensor] = None,
-    ) -> Encoded:
-        spec = TensorSpec.of(tensor)
-        reference = self._own_reference(spec, reference)
-        prepared = self._take_prepared(tensor, reference, context)  # type: ignore[attr-defined]
-        if prepared is not None:
-            return prepared
-        options = self._context_options(self._context(spec, context), tensor.device)
-        return self._encode(tensor, reference, **options)  # type: ignore[attr-defined]
-
-    def decode(
-        self,
-        streams: Sequence[Any],
-        params: dict[str, Any],
-        spec: TensorSpec,
-        reference: Optional[torch.Tensor] = None,
-        context: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor:
-        options = self._context_options(self._context(spec, context), torch.device("cpu"))
-        return self._decode(streams, spec, self._own_reference(spec, reference), **options)  # type: ignore[attr-defined]
-
-
-@register_codec
-class DynaQuantMaskedCodec(_Contextual, DynaQuantCodec):
-    """:class:`DynaQuantCodec` for a tensor that is 0 wherever its *context* is 0.
-
-    The context is another tensor of the same checkpoint (the writer and the reader hand
-    over its reconstruction as ``context=``): Adam's first moment, whose pruned entries
-    the second moment is pruned at too (ExCP's joint mask). Those entries are stored as 0
-    and not coded at all: the mask costs no bytes. The stream is :class:`DynaQuantCodec`'s,
-    its id stream holding the context's non-zero entries only, in order.
-    """
-
-    codec_id = "dynaquant_masked"
-
-    def _context_options(self, context: torch.Tensor, device: torch.device) -> dict[str, Any]:
-        return {"zeros": (context.cpu() == 0).to(device)}
-
-
-@register_codec
-class DynaQuantMaskedDeltaCodec(DynaQuantMaskedCodec, DynaQuantDeltaCodec):
-    """:class:`DynaQuantMaskedCodec` with the kept entries' ids coded against the reference's
-    predicted ids at the same positions (as :class:`DynaQuantDeltaCodec` codes them)."""
-
-    codec_id = "dynaquant_masked_delta"
-
-    def _own_reference(self, spec: TensorSpec, reference: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        return self._check_reference(spec, reference)
-
-
-@register_codec
-class DynaQuantGroupedCodec(_Contextual, DynaQuantCodec):
-    """:class:`DynaQuantCodec` with its ids coded in one stream per octave of its *context*.
-
-    The context is another tensor of the same checkpoint with the same number of
-    elements (the writer and the reader hand over its reconstruction as ``context=``):
-    Adam's second moment, for its first moment. ``|m|`` grows with ``sqrt(v)``, so the ids
-    of the entries whose ``v`` shares an octave spread over fewer levels than the whole
-    tensor's, and each group's own entropy coder pays less for them. The levels and the
-    reconstruction are :class:`DynaQuantCodec`'s; the groups cost no bytes, since the
-    decoder finds them from the context (:func:`octave_groups`).
-    """
-
-    codec_id = "dynaquant_grouped"
-
-    def _context_options(self, context: torch.Tensor, device: torch.device) -> dict[str, Any]:
-        return {"groups": octave_groups(context.to(device))}

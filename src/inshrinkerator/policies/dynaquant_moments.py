@@ -17,14 +17,8 @@ from ..codecs import Codec
 from ..codecs._parallel import parallel_map_sized
 from ..codecs.base import Encoded
 from ..codecs.bucket_delta import EntropyStats
-from ..codecs.dynaquant import (
-    DynaQuantCodec,
-    DynaQuantDeltaCodec,
-    DynaQuantGroupedCodec,
-    DynaQuantMaskedCodec,
-    DynaQuantMaskedDeltaCodec,
-    magnitude_thresholds,
-)
+from ..codecs.dynaquant import DynaQuantCodec, DynaQuantDeltaCodec, magnitude_thresholds
+from ..codecs.dynaquant_context import DynaQuantGroupedCodec, DynaQuantMaskedCodec, DynaQuantMaskedDeltaCodec
 from ..codecs.factored_moment import FactoredMomentCodec, factored_shape
 from ..codecs.log_sketch import MAGNITUDE_KEYS, SIGNED_KEYS, magnitude_keys, signed_keys
 from ..codecs.nonuniform_quantizer import LOG, LevelTable, fit_centroids_batch

@@ -1,0 +1,100 @@
+"""Octave groups: a context tensor's entries by the octave of their value, in groups whose
+ids a :class:`~.dynaquant_context.DynaQuantGroupedCodec` codes as one stream each."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ._numpy_paths import select, stable_argsort
+
+__all__ = ["GROUP_MIN_ELEMENTS", "OctaveGroups", "octave_groups"]
+
+#: A context octave group holds at least this many elements (the smallest octaves join the
+#: next ones up; a short last group joins the one before): a group's stream header is a
+#: few bytes, and an octave holding a handful of ids cannot pay for it.
+GROUP_MIN_ELEMENTS = 1024
+
+
+class OctaveGroups:
+    """The entries of a context sorted (stably) by the octave of their value, cut into the
+    groups whose ids are coded as one stream each (:func:`octave_groups`).
+
+    ``sizes`` are the groups' lengths, in order. :meth:`gather` takes a tensor's entries in
+    that order and :meth:`scatter` puts them back, without sorting all positions where one
+    octave holds most of them (a sparse layer's second moment is mostly zeros): that
+    octave's positions are one block of the order, in place, and only the others are
+    sorted.
+    """
+
+    def __init__(self, octave: torch.Tensor, counts: list[int], sizes: list[int]) -> None:
+        self.sizes = sizes
+        self._numel = octave.numel()
+        top = max(range(len(counts)), key=counts.__getitem__)
+        self._top: Optional[torch.Tensor] = None  # the mask of the dominant octave's entries
+        if 2 * counts[top] <= self._numel:
+            self._sorted = stable_argsort(octave)  # every position, in order
+            self._below = 0
+        else:
+            self._top = octave == top
+            others = torch.nonzero(~self._top).reshape(-1)
+            self._sorted = others[stable_argsort(octave[others])]  # the others, in order
+            self._below = sum(counts[:top])
+
+    def order(self) -> torch.Tensor:
+        """Every flat position, in group order."""
+        if self._top is None:
+            return self._sorted
+        top = torch.nonzero(self._top).reshape(-1)
+        return torch.cat([self._sorted[: self._below], top, self._sorted[self._below :]])
+
+    def gather(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` (flat, one per context entry) in group order."""
+        sorted_ = self._sorted.to(values.device)
+        if self._top is None:
+            return values[sorted_]
+        top = select(values, self._top.to(values.device))
+        return torch.cat([values[sorted_[: self._below]], top, values[sorted_[self._below :]]])
+
+    def scatter(self, grouped: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`gather`: ``grouped`` written to the positions of ``out``."""
+        sorted_ = self._sorted.to(out.device)
+        if self._top is None:
+            out[sorted_] = grouped
+            return out
+        end = self._numel - (sorted_.numel() - self._below)
+        out.masked_scatter_(self._top.to(out.device), grouped[self._below : end])
+        out[sorted_] = torch.cat([grouped[: self._below], grouped[end:]])
+        return out
+
+
+def octave_groups(context: torch.Tensor) -> OctaveGroups:
+    """The groups of ``context``'s entries by the octave of their value, ascending, each
+    holding at least :data:`GROUP_MIN_ELEMENTS` (but a tensor with fewer entries: one group).
+
+    The octave is the biased exponent of the value as a float32 (its bits 23-30): 0 for
+    zeros and subnormals, 255 for infinities and NaN, one key per power of two between.
+    Within a group the entries are ordered by octave, then by position. A pure function
+    of the values, exact on any device, so encoder and decoder derive the same groups
+    from the same reconstruction.
+    """
+    values = context.detach().reshape(-1)
+    if values.dtype != torch.float32:
+        values = values.float()
+    bits = values.contiguous().view(torch.int32)
+    octave = torch.bitwise_right_shift(bits, 23).bitwise_and_(255).to(torch.uint8)
+    counts = torch.bincount(octave, minlength=256).tolist()
+    sizes: list[int] = []
+    pending = 0
+    for count in counts:
+        pending += count
+        if pending >= GROUP_MIN_ELEMENTS:
+            sizes.append(pending)
+            pending = 0
+    if pending:
+        if sizes:
+            sizes[-1] += pending
+        else:
+            sizes.append(pending)
+    return OctaveGroups(octave, counts, sizes)
