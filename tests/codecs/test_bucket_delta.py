@@ -18,6 +18,7 @@ from inshrinkerator.codecs.bucket_delta import (
     EntropyStats,
     decode_bucket_ids,
     encode_bucket_ids,
+    encode_id_symbols,
 )
 from inshrinkerator.errors import FormatError
 
@@ -141,3 +142,28 @@ def test_damaged_huffman_and_direct_streams_are_refused() -> None:
         forged[0] |= flag
         with pytest.raises(FormatError):
             decode_bucket_ids(bytes(forged), 30, 5000, predicted)
+
+
+def test_the_ans_pass_is_skipped_only_where_it_could_not_win(monkeypatch) -> None:
+    # A small stream is coded by Huffman (or symbol tuples) and by ANS, and the smaller
+    # kept; where the Huffman candidate is within the ANS stage's floor the ANS pass is
+    # not run. Every choice must be the one of running both.
+    import inshrinkerator.codecs.bucket_delta as bucket_delta
+
+    generator = torch.Generator().manual_seed(0)
+    streams = []
+    for _ in range(150):
+        alphabet = int(torch.randint(2, 257, (1,), generator=generator))
+        count = int(torch.randint(1, 5000, (1,), generator=generator))
+        skew = float(torch.rand(1, generator=generator)) * 6
+        probabilities = torch.softmax(torch.randn(alphabet, generator=generator) * skew, 0)
+        streams.append((torch.multinomial(probabilities, count, replacement=True, generator=generator), alphabet))
+    passes = []
+    ans = bucket_delta.encode_symbols
+    monkeypatch.setattr(bucket_delta, "encode_symbols", lambda *args: passes.append(1) or ans(*args))
+    skipping = [encode_id_symbols(symbols, alphabet) for symbols, alphabet in streams]
+    skipped = len(streams) - len(passes)
+    monkeypatch.setattr(bucket_delta, "encoded_size_floor", lambda counts, bits: float("-inf"))
+    assert [encode_id_symbols(symbols, alphabet) for symbols, alphabet in streams] == skipping
+    assert 0 < skipped < len(streams)  # both kinds of stream were there
+

@@ -18,6 +18,7 @@ from inshrinkerator.codecs.entropy import (
     byte_entropy_bits,
     decode_symbols,
     encode_symbols,
+    encoded_size_floor,
     expand_frame,
     huffman_frame,
     lz_frame,
@@ -47,6 +48,22 @@ def test_symbols_round_trip(alphabet, values):
     stream = encode_symbols(symbols, alphabet)
     decoded = decode_symbols(stream, len(values))
     assert decoded.dtype == torch.int64 and torch.equal(decoded, symbols)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    alphabet=st.integers(min_value=1, max_value=300),
+    skew=st.floats(min_value=0.0, max_value=6.0),
+    count=st.integers(min_value=1, max_value=3000),
+    seed=st.integers(min_value=0, max_value=2**31),
+)
+def test_no_symbol_stream_is_shorter_than_its_floor(alphabet, skew, count, seed):
+    generator = torch.Generator().manual_seed(seed)
+    probabilities = torch.softmax(torch.randn(alphabet, generator=generator) * skew, 0)
+    symbols = torch.multinomial(probabilities, count, replacement=True, generator=generator)
+    counts = torch.bincount(symbols, minlength=alphabet).numpy()
+    floor = encoded_size_floor(counts, order0_entropy_bits(symbols, alphabet))
+    assert floor <= len(encode_symbols(symbols, alphabet)) < floor + 16
 
 
 def test_symbols_of_any_shape_and_integer_dtype_are_flattened():

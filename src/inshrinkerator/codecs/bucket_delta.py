@@ -54,7 +54,7 @@ import torch
 
 from ..errors import CorruptCheckpointError, FormatError
 from ._numpy_paths import positions_differing, stable_argsort
-from .entropy import decode_symbols, encode_symbols, expand_frame, huffman_frame
+from .entropy import decode_symbols, encode_symbols, encoded_size_floor, expand_frame, huffman_frame
 from .symbol_tuples import TUPLE_SIZES, decode_symbol_tuples, encode_symbol_tuples, tuple_header_bytes
 from .scratch import reusing_scratch
 from .varint import decode_varint, encode_varint
@@ -206,6 +206,10 @@ def encode_id_symbols(
                 best = candidate
         assert best is not None
         if count <= small_stream:
+            # The ANS stage cannot be smaller than its floor, and the Huffman candidate
+            # wins a tie: where it is within the floor, the ANS pass is not run.
+            if len(best[1]) <= encoded_size_floor(counts.numpy(), bits):
+                return (*best, bits)
             coded = encode_symbols(symbols, alphabet)
             return (*best, bits) if len(best[1]) <= len(coded) else (ANS, coded, bits)
         if len(best[1]) <= (1 + HUFFMAN_SLACK) * bound + 64:

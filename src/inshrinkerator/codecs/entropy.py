@@ -44,6 +44,7 @@ else:  # the same module, packaged for older Pythons
 
 __all__ = [
     "encode_symbols",
+    "encoded_size_floor",
     "decode_symbols",
     "order0_entropy_bits",
     "MAX_ALPHABET",
@@ -71,6 +72,19 @@ def _model(counts: np.ndarray) -> Any:
     return constriction.stream.model.Categorical(probabilities, perfect=False)
 
 
+def _count_table(counts: np.ndarray) -> bytes:
+    # The symbol counts as a stream stores them (its model).
+    return zstandard.ZstdCompressor(level=3).compress(counts.astype(np.uint64).tobytes())
+
+
+def encoded_size_floor(counts: np.ndarray, bits: float) -> float:
+    """No :func:`encode_symbols` output of symbols with these ``counts`` (per symbol of the
+    alphabet, at least one non-zero) and order-0 entropy ``bits`` is shorter than this many
+    bytes: its header, its count table, and the entropy, which no coder of a model of
+    those counts goes below (the coder adds a few bits of state on top)."""
+    return _HEADER.size + len(_count_table(counts)) + bits / 8
+
+
 def encode_symbols(symbols: torch.Tensor, alphabet: int) -> bytes:
     """Entropy-code ``symbols`` (integers in ``[0, alphabet)``, any shape; flattened)."""
     if not 1 <= alphabet <= MAX_ALPHABET:
@@ -83,7 +97,7 @@ def encode_symbols(symbols: torch.Tensor, alphabet: int) -> bytes:
     if low < 0 or high >= alphabet:
         raise ValueError(f"symbols lie in [{low}, {high}], outside [0, {alphabet})")
     counts = torch.bincount(flat.long(), minlength=alphabet).numpy().astype(np.uint64)
-    table = zstandard.ZstdCompressor(level=3).compress(counts.tobytes())
+    table = _count_table(counts)
     present = int((counts > 0).sum())
     if present == 1:
         words = b""  # one symbol only: the counts say everything
