@@ -234,6 +234,37 @@ def test_a_weight_that_moved_less_than_its_levels_can_hold_is_stored_as_its_quan
     assert error <= 0.1 * moved
 
 
+def test_changes_coded_on_one_level_count_get_the_levels_their_encode_would_fit_alone() -> None:
+    # Every weight moved far less than its levels' spacing: each is stored as its change,
+    # and the levels of all of them are fitted side by side while planning. Each encoding
+    # must be, byte for byte, the one of the change's own codec fitting its levels alone.
+    from inshrinkerator.codecs import ResidualCodec
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.Linear(48, 40), torch.nn.Linear(40, 32))
+    optimizer = torch.optim.Adam(model.parameters(), 1e-3)
+    for _ in range(2):
+        optimizer.zero_grad()
+        model(torch.randn(16, 64)).square().mean().backward()
+        optimizer.step()
+    flat = flatten({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+    keys = [format_key_path(leaf.path) for leaf in flat.tensors]
+    generator = torch.Generator().manual_seed(1)
+    references = [
+        leaf.tensor + 1e-3 * leaf.tensor.std() * torch.randn(leaf.tensor.shape, generator=generator)
+        if key.endswith(".weight") else None
+        for key, leaf in zip(keys, flat.tensors)
+    ]
+    policy = DynaQuant()
+    codecs = policy.plan(flat.tensors, references)
+    changes = [i for i, codec in enumerate(codecs) if isinstance(codec, ResidualCodec)]
+    assert len(changes) == 3
+    alone = ResidualCodec(DynaQuantCodec(bins=10, prune=0.0, protect=0.0, sigma=policy.sigma))
+    for i in changes:
+        planned = codecs[i].encode(flat.tensors[i].tensor, references[i])
+        assert planned.streams == alone.encode(flat.tensors[i].tensor, references[i]).streams
+
+
 def _moved_weight_coding(policy: DynaQuant, spread: float = 1e-3) -> tuple[dict, float, int]:
     """(the search's configuration, error / squared movement, bytes) of model/3.weight
     planned by ``policy`` against a reference ``spread`` of its standard deviation away."""

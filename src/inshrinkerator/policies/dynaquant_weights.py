@@ -17,7 +17,9 @@ from ..codecs._parallel import parallel_map_sized
 from ..codecs.base import Encoded
 from ..codecs.bucket_delta import EntropyStats
 from ..codecs.dynaquant import DynaQuantCodec, DynaQuantDeltaCodec
+from ..codecs.log_sketch import SIGNED_KEYS, signed_keys
 from ..codecs.lossy_input import working_dtype
+from ..codecs.nonuniform_quantizer import fit_centroids_batch
 from ..codecs.unchanged import UnchangedCodec
 from ..tree import TensorLeaf, format_key_path
 from .base import encoded_size, leaf_nbytes, usable_reference
@@ -96,19 +98,19 @@ class WeightPlanning:
         if not candidates:
             return
 
-        def as_change(index: int) -> tuple[ResidualCodec, Encoded, EntropyStats]:
-            stats = EntropyStats()
-            _, codec = self._residual_codec(
-                leaves, references, layout, index, weights.trials[index], weights.cube.own_budget(index), stats
-            )
-            return codec, codec.prepare(leaves[index].tensor, references[index]), stats
-
+        stats = {index: EntropyStats() for index in candidates}
+        as_change = self._change_codecs(
+            leaves, references, layout, candidates, weights.trials,
+            {index: weights.cube.own_budget(index) for index in candidates}, stats,
+        )
+        changes = parallel_map_sized(
+            lambda item: item[1][1].prepare(leaves[item[0]].tensor, references[item[0]]),
+            list(zip(candidates, as_change)), [leaf_nbytes(leaves[i]) for i in candidates],
+        )
         changed = 0
-        for index, (codec, change, stats) in zip(candidates, parallel_map_sized(
-            as_change, candidates, [leaf_nbytes(leaves[i]) for i in candidates]
-        )):
+        for index, (_, codec), change in zip(candidates, as_change, changes):
             if encoded_size(change) < encoded_size(encoded[index]) and weights.within_own_budget(index, change):
-                codecs[index], encoded[index], weights.stats[index] = codec, change, stats
+                codecs[index], encoded[index], weights.stats[index] = codec, change, stats[index]
                 changed += 1
         weights.record.config["change_coded_tensors"] = changed
 
@@ -165,6 +167,36 @@ class WeightPlanning:
             trial = WeightTrial(values, layer_type, None, sensitivity, self.sigma)
         return trial
 
+    def _change_codecs(
+        self,
+        leaves: Sequence[TensorLeaf],
+        references: Sequence[Optional[torch.Tensor]],
+        layout: StateLayout,
+        indices: list[int],
+        trials: dict[int, WeightTrial],
+        allowed: dict[int, float],
+        stats: dict[int, EntropyStats],
+    ) -> list[tuple[int, ResidualCodec]]:
+        """:meth:`_residual_codec` of each weight in ``indices`` (its entropy figures into
+        ``stats``). With a single level count to take, nothing is judged per tensor: the
+        levels of all the changes are fitted side by side, each exactly the fit its encode
+        would run alone (one k-means of a few thousand histogram points is mostly
+        per-operation overhead)."""
+        sizes = [leaf_nbytes(leaves[i]) for i in indices]
+        if len(self.residual_bins) > 1:
+            return parallel_map_sized(
+                lambda i: self._residual_codec(leaves, references, layout, i, trials[i], allowed[i], stats[i]),
+                indices, sizes,
+            )
+        bins = self.residual_bins[0]
+        inner = DynaQuantCodec(bins=bins, prune=0.0, protect=0.0, sigma=self.sigma)
+        counts = parallel_map_sized(lambda i: _change_histogram(leaves[i].tensor, references[i]), indices, sizes)
+        levels = fit_centroids_batch([inner.centroid_fit(histogram) for histogram in counts])
+        return [
+            (bins, ResidualCodec(inner.with_hints(counts=histogram, centroids=centroids, stats=stats[index])))
+            for index, histogram, centroids in zip(indices, counts, levels)
+        ]
+
     def _residual_codec(
         self,
         leaves: Sequence[TensorLeaf],
@@ -183,13 +215,10 @@ class WeightPlanning:
         Such a weight moved less than its own levels' spacing, and its budget is a share
         of that movement (``movement_share``, 0.1). The default grid is one entry, 10 levels
         (on MiniLM 12 levels left ~0.02-0.08 of a change's squared size as error, 8 up to
-        ~0.14): a search for fewer levels per tensor saved more bytes there but cost
-        accuracy (docs/dynaquant.md), so it is an option.
+        ~0.14), whose levels :meth:`_change_codecs` fits without this: a search for fewer
+        levels per tensor saved more bytes there but cost accuracy (docs/dynaquant.md), so
+        it is an option.
         """
-        if len(self.residual_bins) == 1:  # nothing to choose
-            bins = self.residual_bins[0]
-            inner = DynaQuantCodec(bins=bins, prune=0.0, protect=0.0, sigma=self.sigma)
-            return bins, ResidualCodec(inner.with_hints(stats=stats))
         tensor = leaves[index].tensor.detach()
         compute = working_dtype(tensor.dtype)
         reference = references[index].detach().to(tensor.device)  # type: ignore[union-attr]
@@ -352,12 +381,8 @@ class WeightPlanning:
             hard = [i for i, ok in zip(indices, cube.within_own_budgets(indices, origin, MAGNITUDE)) if not ok]
             residual = [i for i in hard if i in moving]
             allowed = {i: cube.own_budget(i) for i in residual}
-            coded = parallel_map_sized(
-                lambda i: self._residual_codec(
-                    leaves, references, layout, i, trials[i], allowed[i], self._memory.entropy
-                ),
-                residual,
-                [leaf_nbytes(leaves[i]) for i in residual],
+            coded = self._change_codecs(
+                leaves, references, layout, residual, trials, allowed, {i: self._memory.entropy for i in residual}
             )
             for index, (levels, codec) in zip(residual, coded):
                 codecs[index] = codec
@@ -510,3 +535,10 @@ class _WeightPlan:
             weighted = float(torch.dot(difference * trial.weights, difference))
             error = max(error, weighted / max(trial.total, 1e-300))
         return error
+
+
+def _change_histogram(tensor: torch.Tensor, reference: Optional[torch.Tensor]) -> torch.Tensor:
+    """The signed-key histogram of ``tensor - reference`` as :class:`ResidualCodec` encodes it."""
+    compute = working_dtype(tensor.dtype)
+    change = tensor.detach().reshape(-1).to(compute) - reference.detach().to(tensor.device).reshape(-1).to(compute)  # type: ignore[union-attr]
+    return torch.bincount(signed_keys(change), minlength=SIGNED_KEYS).cpu()
