@@ -1,6 +1,7 @@
 """DynaQuant: the Inshrinkerator system plus compressed optimizer state (the default policy).
 
-Per checkpoint:
+Per checkpoint (the weights planned in :mod:`.dynaquant_weights`, the moments in
+:mod:`.dynaquant_moments`; this module holds the knobs and one save's plan):
 
 1. **Weights** (floating model parameters of at least ``min_numel`` values): a
    configuration search (:mod:`.dynaquant_search`) picks bins, embedding bins, prune
@@ -385,12 +386,7 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
                 self._memory.entropy.merge(stats)
         return codecs
 
-
-    # ----------------------------------------------------------------- weights
-
-
-    # ----------------------------------------------------------------- moments
-
+    # ------------------------------------------ steps between checkpoints (first-moment pruning)
 
     def _steps_since_last_checkpoint(
         self, leaves: Sequence[TensorLeaf], references: Sequence[Optional[torch.Tensor]]
