@@ -99,18 +99,18 @@ class WeightPlanning:
             return
 
         stats = {index: EntropyStats() for index in candidates}
-        as_change = self._change_codecs(
+        as_change = dict(zip(candidates, (codec for _, codec in self._change_codecs(
             leaves, references, layout, candidates, weights.trials,
             {index: weights.cube.own_budget(index) for index in candidates}, stats,
-        )
+        ))))
         changes = parallel_map_sized(
-            lambda item: item[1][1].prepare(leaves[item[0]].tensor, references[item[0]]),
-            list(zip(candidates, as_change)), [leaf_nbytes(leaves[i]) for i in candidates],
+            lambda i: as_change[i].prepare(leaves[i].tensor, references[i]), candidates,
+            [leaf_nbytes(leaves[i]) for i in candidates],
         )
         changed = 0
-        for index, (_, codec), change in zip(candidates, as_change, changes):
+        for index, change in zip(candidates, changes):
             if encoded_size(change) < encoded_size(encoded[index]) and weights.within_own_budget(index, change):
-                codecs[index], encoded[index], weights.stats[index] = codec, change, stats[index]
+                codecs[index], encoded[index], weights.stats[index] = as_change[index], change, stats[index]
                 changed += 1
         weights.record.config["change_coded_tensors"] = changed
 
