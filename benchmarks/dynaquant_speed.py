@@ -125,8 +125,8 @@ class StageTimer:
             cls_name, name = attribute.split(".")
             owner = getattr(module, cls_name)
         original = getattr(owner, name, None)
-        if original is None:
-            return
+        if original is None:  # a stage renamed or removed: its figure would silently vanish
+            raise AttributeError(f"stage {label!r}: {module_name}.{attribute} does not exist")
         timer = self
 
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -162,7 +162,7 @@ SAVE_STAGES = [
     ("ids: assign_ids", f"{_CODECS}.dynaquant", "assign_ids"),
     ("k-means: fit_centroids_batch (moment levels)", "inshrinkerator.policies.dynaquant_moments", "fit_centroids_batch"),
     ("k-means: float32_levels_batch (policy fits)", "inshrinkerator.policies.first_moment_levels", "float32_levels_batch"),
-    ("k-means: weighted_kmeans_1d (codec fits)", f"{_CODECS}.nonuniform_quantizer", "weighted_kmeans_1d"),
+    ("k-means: weighted_kmeans_1d_batch (every fit_centroids, part of the above)", f"{_CODECS}.nonuniform_quantizer", "weighted_kmeans_1d_batch"),
     ("residual weights: ResidualCodec.encode", f"{_CODECS}.residual", "ResidualCodec.encode"),
     ("lossless: ByteGroupingCodec.encode", f"{_CODECS}.byte_grouping", "ByteGroupingCodec.encode"),
     ("container: ContainerWriter.finish", "inshrinkerator.container.writer", "ContainerWriter.finish"),
@@ -178,7 +178,6 @@ LOAD_STAGES = [
     ("dequantize: reconstruct", f"{_CODECS}.dynaquant", "reconstruct"),
     ("fingerprint: reference_fingerprint", f"{_CODECS}.dynaquant", "reference_fingerprint"),
     ("lossless: ByteGroupingCodec.decode", f"{_CODECS}.byte_grouping", "ByteGroupingCodec.decode"),
-    ("chain: reference_map", "inshrinkerator.store.chain", "reference_map"),
 ]
 
 
