@@ -190,6 +190,8 @@ class WeightPlanning:
             )
         bins = self.residual_bins[0]
         inner = DynaQuantCodec(bins=bins, prune=0.0, protect=0.0, sigma=self.sigma)
+        # No keys hint: the encode computes the change's keys again (one cheap pass), so the
+        # keys of every change are not held at once until the encodes.
         counts = parallel_map_sized(lambda i: _change_histogram(leaves[i].tensor, references[i]), indices, sizes)
         levels = fit_centroids_batch([inner.centroid_fit(histogram) for histogram in counts])
         return [
