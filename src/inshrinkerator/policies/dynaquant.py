@@ -34,7 +34,7 @@ Per checkpoint (the weights planned in :mod:`.dynaquant_weights`, the moments in
    second moments may be stored as 0 too, when that is the smaller encoding, so that
    their whole optimizer state restarts from 0 after a restore (pruning at every
    checkpoint cost 4% accuracy on the MiniLM fine-tune, which checkpoints every 10 steps;
-   docs/dynaquant.md). ``momentum_keep`` prunes a momentum buffer to its largest 10 % by
+   docs/dynaquant-measurements.md). ``momentum_keep`` prunes a momentum buffer to its largest 10 % by
    magnitude at the same checkpoints (for SGD, which keeps no step counters, the watched
    model's backward passes count the steps; unwatched, nothing is pruned).
 3. **Second moments** (Adam's ``exp_avg_sq``; RMSprop's and Adadelta's ``square_avg``,
@@ -138,7 +138,7 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
             ``evaluate`` too: a restore continues from the stored values, so what is lost
             there is training undone. 0.1 kept the MiniLM fine-tune within the benchmark's bound;
             runs that tolerate more (the digits CNNs) store their weights in fewer bytes
-            with more (docs/dynaquant.md, *Trading degradation for bytes*).
+            with more (docs/dynaquant-measurements.md, *Trading degradation for bytes*).
         evaluate: ``evaluate(model_state_dict) -> float``, lower is better; called on
             quantized models during the search. It decides instead of the proxy, within
             the bounds it cannot see: frozen weights stay within ``frozen_tolerance`` and
@@ -169,7 +169,7 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
             ``step`` counters: the steps are the backward passes of the watched model (with
             gradient accumulation, several per step: scale ``first_moment_keep_after`` by
             them), and without one every entry is kept (on the digits SGD benchmark, 0.1
-            stored 1.28x fewer bytes at the same accuracy; docs/dynaquant.md).
+            stored 1.28x fewer bytes at the same accuracy; docs/dynaquant-measurements.md).
         second_moment_bins: log-domain levels of Adam's second moments (``"quantized"``).
         second_moment: ``"quantized"`` (log-domain levels, delta-coded) or ``"factored"``
             (row and column means, Adafactor's estimate, for tensors of 2+ dims; vectors
@@ -185,20 +185,20 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
             step within ``RESTART_STEP_GROWTH`` (2x) of its steady size are masked: ``(0.9,
             0.95)`` qualifies (1.95x), ``(0.9, 0.999)`` would reach 14x and does not, nor do
             entries whose ``betas`` are unknown. False keeps every second moment whole
-            (docs/dynaquant.md, *Joint moment mask*).
+            (docs/dynaquant-measurements.md, *Joint moment mask*).
         first_moment_octaves: code an Adam first moment's ids in one stream per octave of
             its second moment as stored (``dynaquant_grouped``), where that second moment
             is not itself stored with the first moment's zeros: the same values in fewer
             first-moment bytes (on the benchmark 8-13 % on the digits CNN, 9 % on MiniLM,
             1-5 % on the char GPT), for ~25 % more time in MiniLM's saves
-            (docs/dynaquant.md, *First moment by octave*).
+            (docs/dynaquant-measurements.md, *First moment by octave*).
         residual_bins: the levels tried, most first, for a weight that moved less than its
             own levels' spacing and is stored as its change since the reference: it takes
             the fewest whose error stays within its budget (the first when none does). The
             default, 10 alone: on MiniLM's 8 yardstick seeds it ends every run where 12
             levels do, for ~3 % fewer bytes (12 stored 5.5 % fewer than 16 at +0.06 points
-            of mean degradation; 8 levels cost +0.26 points; docs/dynaquant.md,
-            *Residual levels*).
+            of mean degradation; 8 levels cost +0.26 points;
+            docs/dynaquant-measurements.md, *Residual levels*).
         min_numel: smaller tensors are stored losslessly (moments: ``moment_min_numel``).
         moment_min_numel: smaller first and second moments are stored losslessly. Those
             of weights under ``min_numel`` (biases, norm layers) get twice the levels and

@@ -88,7 +88,7 @@ class WeightPlanning:
         costs about the same per element however far it went, with an error that is a
         share of the change. Where weights cross several cells between checkpoints (the
         char GPT from its third checkpoint on) the change is the smaller encoding, at an
-        error no larger (docs/dynaquant.md, *Weights stored as their change*).
+        error no larger (docs/dynaquant-measurements.md, *Weights stored as their change*).
         """
         candidates = [
             i for i in weights.indices
@@ -218,7 +218,7 @@ class WeightPlanning:
         of that movement (``movement_share``, 0.1). The default grid is one entry, 10 levels
         (on MiniLM 12 levels left ~0.02-0.08 of a change's squared size as error, 8 up to
         ~0.14), whose levels :meth:`_change_codecs` fits without this: a search for fewer
-        levels per tensor saved more bytes there but cost accuracy (docs/dynaquant.md), so
+        levels per tensor saved more bytes there but cost accuracy (docs/dynaquant-measurements.md), so
         it is an option.
         """
         tensor = leaves[index].tensor.detach()
