@@ -37,6 +37,35 @@ def test_user_evaluate_decides_and_tolerance_trades_size_for_quality() -> None:
     assert calls and "3.weight" in calls[0] and "0.bias" in calls[0]
 
 
+@pytest.mark.parametrize("returned", ["0.5", None, True, torch.ones(2)], ids=["str", "None", "bool", "tensor of 2"])
+def test_evaluate_must_return_a_number(returned) -> None:
+    _, (state,) = trained_states(1)
+    flat = flatten(state)
+    policy = DynaQuant(evaluate=lambda model_state: returned)
+    with pytest.raises(TypeError, match="evaluate must return a number"):
+        policy.plan(flat.tensors, [None] * len(flat.tensors))
+
+
+def test_an_evaluate_that_is_not_finite_before_quantization_fails_that_save_only(tmp_path) -> None:
+    # Judged against nan, every configuration would look infeasible and the weights would
+    # be stored exactly without a word; the save says why instead, and the run keeps its
+    # earlier checkpoints. A quantized model judged nan is only an infeasible point.
+    _, (first, second) = trained_states(2)
+    diverged = {"now": False}
+
+    def evaluate(model_state: dict[str, torch.Tensor]) -> float:
+        return float("nan") if diverged["now"] else float(model_state["3.weight"].abs().sum())
+
+    with ink.CheckpointManager(tmp_path / "run", policy=DynaQuant(evaluate=evaluate)) as manager:
+        manager.save(1, first)
+        diverged["now"] = True
+        with pytest.raises(ValueError, match="before any quantization"):
+            manager.save(2, second)
+        assert manager.steps() == [1]
+        restored = manager.load()
+    assert restored["model"].keys() == first["model"].keys()
+
+
 def test_evaluate_gets_every_key_of_a_model_with_tied_weights() -> None:
     # A language model's output layer shares the embedding's tensor: its state_dict holds
     # it under both keys, and a strict load_state_dict wants both.

@@ -142,7 +142,10 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
         evaluate: ``evaluate(model_state_dict) -> float``, lower is better; called on
             quantized models during the search. It decides instead of the proxy, within
             the bounds it cannot see: frozen weights stay within ``frozen_tolerance`` and
-            moved ones within ``movement_share`` (in the proxy's units).
+            moved ones within ``movement_share`` (in the proxy's units). It must return a
+            number (or a one-element tensor), else the save raises ``TypeError``; one that
+            is not finite for the model as it is (a diverged run) fails the save with
+            ``ValueError``, while a quantized model judged not finite is only rejected.
         bins, embedding_bins, prune, protect: the search grid, each from the least to the
             most aggressive setting (the paper's grid, extended to finer bins: the benchmark's
             frequent restores need them).

@@ -58,6 +58,22 @@ __all__ = [
     "SearchRecord",
 ]
 
+
+def _quality_value(value: Any) -> float:
+    """What the user's ``evaluate`` returned, as a float: a real number or a one-element tensor.
+
+    Raises:
+        TypeError: anything else (a string, a bool, a tensor of many elements, None).
+    """
+    if not isinstance(value, (str, bytes, bool)) and not (torch.is_tensor(value) and value.numel() != 1):
+        try:
+            return float(value)
+        except (TypeError, ValueError, RuntimeError):
+            pass
+    raise TypeError(
+        f"DynaQuant's evaluate must return a number (lower is better), got {type(value).__name__}: {value!r:.60}"
+    )
+
 Point = tuple[int, ...]
 
 
@@ -523,8 +539,15 @@ class ConfigurationCube:
     def relative_loss(self, replaced: dict[int, torch.Tensor]) -> float:
         """``(evaluate(model with these tensors) - evaluate(model)) / |evaluate(model)|``."""
         if self._baseline is None:
-            self._baseline = float(self.evaluate(self._model_state({})))  # type: ignore[misc]
-        value = float(self.evaluate(self._model_state(replaced)))  # type: ignore[misc]
+            baseline = _quality_value(self.evaluate(self._model_state({})))  # type: ignore[misc]
+            if not math.isfinite(baseline):
+                raise ValueError(
+                    f"DynaQuant's evaluate returned {baseline} for the model as it is, before any "
+                    "quantization: nothing can be judged against that. It must return a finite "
+                    "number, lower is better (a diverged model's loss is not finite)"
+                )
+            self._baseline = baseline
+        value = _quality_value(self.evaluate(self._model_state(replaced)))  # type: ignore[misc]
         if not math.isfinite(value):
             return math.inf
         return (value - self._baseline) / max(abs(self._baseline), 1e-12)
