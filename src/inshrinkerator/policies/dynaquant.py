@@ -34,8 +34,8 @@ Per checkpoint (the weights planned in :mod:`.dynaquant_weights`, the moments in
    second moments may be stored as 0 too, when that is the smaller encoding, so that
    their whole optimizer state restarts from 0 after a restore (pruning at every
    checkpoint cost 4% accuracy on the MiniLM fine-tune, which checkpoints every 10 steps;
-   docs/dynaquant-measurements.md). ``momentum_keep`` prunes a momentum buffer to its largest 10 % by
-   magnitude at the same checkpoints (for SGD, which keeps no step counters, the watched
+   docs/dynaquant-measurements.md). ``momentum_keep`` prunes a momentum buffer to its
+   largest 10 % by magnitude at the same checkpoints (for SGD, which keeps no step counters, the watched
    model's backward passes count the steps; unwatched, nothing is pruned).
 3. **Second moments** (Adam's ``exp_avg_sq``; RMSprop's and Adadelta's ``square_avg``,
    Adagrad's ``sum``) and the optimizers' other non-negative statistics (AMSGrad's

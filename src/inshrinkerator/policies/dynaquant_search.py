@@ -58,22 +58,6 @@ __all__ = [
     "SearchRecord",
 ]
 
-
-def _quality_value(value: Any) -> float:
-    """What the user's ``evaluate`` returned, as a float: a real number or a one-element tensor.
-
-    Raises:
-        TypeError: anything else (a string, a bool, a tensor of many elements, None).
-    """
-    if not isinstance(value, (str, bytes, bool)) and not (torch.is_tensor(value) and value.numel() != 1):
-        try:
-            return float(value)
-        except (TypeError, ValueError, RuntimeError):
-            pass
-    raise TypeError(
-        f"DynaQuant's evaluate must return a number (lower is better), got {type(value).__name__}: {value!r:.60}"
-    )
-
 Point = tuple[int, ...]
 
 
@@ -612,3 +596,21 @@ class ConfigurationCube:
             return None
         _, _, point, metric = max(found)
         return point, metric
+
+
+def _quality_value(value: Any) -> float:
+    """What the user's ``evaluate`` returned, as a float: a real number or a one-element tensor.
+
+    Raises:
+        TypeError: anything else (a string, a bool, a tensor of many elements, None).
+    """
+    many = torch.is_tensor(value) and value.numel() != 1
+    if not isinstance(value, (str, bytes, bool)) and not many:
+        try:
+            return float(value)
+        except (TypeError, ValueError, RuntimeError):
+            pass
+    raise TypeError(
+        "DynaQuant's evaluate must return a number (lower is better), "
+        f"got {type(value).__name__}: {value!r:.60}"
+    )

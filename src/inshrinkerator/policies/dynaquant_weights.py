@@ -218,8 +218,8 @@ class WeightPlanning:
         of that movement (``movement_share``, 0.1). The default grid is one entry, 10 levels
         (on MiniLM 12 levels left ~0.02-0.08 of a change's squared size as error, 8 up to
         ~0.14), whose levels :meth:`_change_codecs` fits without this: a search for fewer
-        levels per tensor saved more bytes there but cost accuracy (docs/dynaquant-measurements.md), so
-        it is an option.
+        levels per tensor saved more bytes there but cost accuracy
+        (docs/dynaquant-measurements.md), so it is an option.
         """
         tensor = leaves[index].tensor.detach()
         compute = working_dtype(tensor.dtype)

@@ -90,8 +90,8 @@ class CharGPT(Workload):
 
     corpus_chars = 2_000_000
     #: one failure run's final loss moves by up to ~1.6 % with any perturbation at a
-    #: restore (docs/dynaquant-measurements.md, *The noise floor*): the mean of 8 seeds, as on the other
-    #: workloads, has about a third of that noise
+    #: restore (docs/dynaquant-measurements.md, *The noise floor*): the mean of 8 seeds,
+    #: as on the other workloads, has about a third of that noise
     default_seeds = 8
     eval_batches = 8
 
