@@ -265,8 +265,9 @@ def test_a_weight_that_moved_less_than_its_levels_can_hold_is_stored_as_its_quan
 
 def test_changes_coded_on_one_level_count_get_the_levels_their_encode_would_fit_alone() -> None:
     # Every weight moved far less than its levels' spacing: each is stored as its change,
-    # and the levels of all of them are fitted side by side while planning. Each encoding
-    # must be, byte for byte, the one of the change's own codec fitting its levels alone.
+    # and (with k-means levels) the levels of all of them are fitted side by side while
+    # planning. Each encoding must be, byte for byte, the one of the change's own codec
+    # fitting its levels alone.
     from inshrinkerator.codecs import ResidualCodec
 
     torch.manual_seed(0)
@@ -284,7 +285,7 @@ def test_changes_coded_on_one_level_count_get_the_levels_their_encode_would_fit_
         if key.endswith(".weight") else None
         for key, leaf in zip(keys, flat.tensors)
     ]
-    policy = DynaQuant()
+    policy = DynaQuant(residual_error=None)
     codecs = policy.plan(flat.tensors, references)
     changes = [i for i, codec in enumerate(codecs) if isinstance(codec, ResidualCodec)]
     assert len(changes) == 3
@@ -311,9 +312,60 @@ def _moved_weight_coding(policy: DynaQuant, spread: float = 1e-3) -> tuple[dict,
 
 def _residual_coding(grid: tuple[int, ...]) -> tuple[dict, float, int]:
     """(levels used, error / squared movement, bytes) of model/3.weight coded as its change
-    since a reference 1e-3 of its spread away, under ``residual_bins=grid``."""
-    config, error, size = _moved_weight_coding(DynaQuant(residual_bins=grid))
+    since a reference 1e-3 of its spread away, on k-means levels: ``residual_bins=grid``."""
+    config, error, size = _moved_weight_coding(DynaQuant(residual_bins=grid, residual_error=None))
     return config["residual_tensors_by_bins"], error, size
+
+
+def test_a_change_on_even_levels_loses_about_residual_error_of_its_size() -> None:
+    # The default codes a moved weight's change on levels sqrt(12 e) of its RMS apart: the
+    # rounding loses ~e of the change's energy, and a larger e stores fewer bytes.
+    from inshrinkerator.codecs import ResidualCodec
+
+    sizes = []
+    for share in (0.01, 0.03, 0.1):
+        policy = DynaQuant(residual_error=share)
+        config, error, size = _moved_weight_coding(policy)
+        assert config["residual_tensors"] == 1
+        assert 0.8 * share <= error <= 1.2 * share
+        sizes.append(size)
+    assert sizes[0] > sizes[1] > sizes[2]
+    _, (state,) = trained_states(1)
+    flat = flatten(state)
+    keys = [format_key_path(leaf.path) for leaf in flat.tensors]
+    weight = flat.tensors[keys.index("model/3.weight")].tensor
+    reference = weight + 1e-3 * weight.std() * torch.randn(weight.shape, generator=torch.Generator().manual_seed(3))
+    codec = DynaQuant().plan(flat.tensors, [reference if key == "model/3.weight" else None for key in keys])[
+        keys.index("model/3.weight")
+    ]
+    assert isinstance(codec, ResidualCodec)
+    levels = codec._inner._hints["centroids"].double()  # noqa: SLF001
+    gaps = torch.diff(torch.cat([levels[levels < 0], torch.zeros(1, dtype=torch.float64), levels[levels > 0]]))
+    assert torch.allclose(gaps, gaps[0].expand_as(gaps), rtol=1e-5)
+
+
+def test_even_levels_store_a_change_in_fewer_bytes_than_kmeans_levels_of_its_error() -> None:
+    # Gaussian changes: 16 k-means levels leave ~1 % of the change's energy as error; even
+    # levels at that error take fewer coded bits (most values fall in the central cells).
+    _, kmeans_error, kmeans_bytes = _moved_weight_coding(DynaQuant(residual_error=None, residual_bins=(16,)))
+    _, even_error, even_bytes = _moved_weight_coding(DynaQuant(residual_error=kmeans_error))
+    assert even_error <= 1.05 * kmeans_error
+    assert even_bytes < 0.97 * kmeans_bytes
+
+
+def test_even_levels_round_to_the_nearest_step_and_to_zero_below_half_a_step() -> None:
+    from inshrinkerator.policies.dynaquant_weights import MAX_EVEN_LEVELS, even_levels
+
+    step = 0.25 * (12 * 0.03) ** 0.5
+    centroids, prune_below = even_levels(0.25, 3.2 * step, 0.03)
+    assert torch.allclose(centroids.double(), torch.tensor([-3, -2, -1, 1, 2, 3], dtype=torch.float64) * step)
+    values = torch.tensor([0.4, 0.6, -0.6, 1.4, 1.6, -2.6, 0.0]) * step
+    codec = DynaQuantCodec(bins=10, prune=0.0, protect=0.0).with_hints(centroids=centroids, prune_below=prune_below)
+    rebuilt = codec.encode(values).reconstruction.double() / step
+    assert torch.allclose(rebuilt, torch.tensor([0.0, 1.0, -1.0, 1.0, 2.0, -3.0, 0.0], dtype=torch.float64), atol=1e-5)
+    # Nothing moved: any levels do. A far outlier is clipped to the last of the allowed ones.
+    assert even_levels(0.0, 0.0, 0.03)[0].numel() == 2
+    assert even_levels(1.0, 1e9, 0.03)[0].numel() == 2 * MAX_EVEN_LEVELS
 
 
 def test_a_stored_change_takes_the_fewest_levels_that_keep_it_within_the_movement_budget() -> None:
@@ -341,7 +393,7 @@ def test_movement_share_bounds_what_a_moved_weight_may_lose(spread) -> None:
     # its squared movement, and a larger share stores it in fewer bytes.
     results = {}
     for share in (0.05, 0.5):
-        policy = DynaQuant(movement_share=share, residual_bins=(16, 12, 8, 6, 4, 3, 2))
+        policy = DynaQuant(movement_share=share, residual_bins=(16, 12, 8, 6, 4, 3, 2), residual_error=None)
         config, error, size = _moved_weight_coding(policy, spread)
         assert error <= share
         assert bool(config["residual_tensors"]) == (spread < 0.01)

@@ -195,12 +195,18 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
             first-moment bytes (on the benchmark 8-13 % on the digits CNN, 9 % on MiniLM,
             1-5 % on the char GPT), for ~25 % more time in MiniLM's saves
             (docs/dynaquant-measurements.md, *First moment by octave*).
-        residual_bins: the levels tried, most first, for a weight that moved less than its
-            own levels' spacing and is stored as its change since the reference: it takes
-            the fewest whose error stays within its budget (the first when none does). The
-            default, 10 alone: on MiniLM's 8 yardstick seeds it ends every run where 12
-            levels do, for ~3 % fewer bytes (12 stored 5.5 % fewer than 16 at +0.06 points
-            of mean degradation; 8 levels cost +0.26 points;
+        residual_error: a weight stored as its change since the reference (one that
+            moved less than its own levels' spacing, or crossed many of them) is rounded
+            to evenly spaced levels ``sqrt(12 * residual_error)`` times the change's RMS
+            apart, which lose about this share of its squared size. 0.03 is what 10
+            k-means levels lost on average, and stores MiniLM's changes ~14 % smaller at
+            the same error per tensor (docs/dynaquant-measurements.md, *Evenly spaced
+            levels for stored changes*). None: k-means levels, ``residual_bins``.
+        residual_bins: with ``residual_error=None``, the k-means levels tried, most first,
+            for a weight stored as its change: it takes the fewest whose error stays within
+            its budget (the first when none does). 10 alone ended MiniLM's 8 yardstick seeds
+            where 12 levels did, for ~3 % fewer bytes (12 stored 5.5 % fewer than 16 at
+            +0.06 points of mean degradation; 8 levels cost +0.26 points;
             docs/dynaquant-measurements.md, *Residual levels*).
         min_numel: smaller tensors are stored losslessly (moments: ``moment_min_numel``).
         moment_min_numel: smaller first and second moments are stored losslessly. Those
@@ -231,6 +237,7 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
     joint_moment_mask: bool = True
     first_moment_octaves: bool = True
     residual_bins: tuple[int, ...] = (10,)
+    residual_error: Optional[float] = 0.03
     min_numel: int = 1024
     moment_min_numel: int = 64
     name: str = "dynaquant"
@@ -247,6 +254,8 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
         _check_grid("prune", self.prune, float, 0.0, 0.99)
         _check_grid("protect", self.protect, float, 0.0, 0.5)
         _check_grid("residual_bins", self.residual_bins, int, 1, 1024)
+        if self.residual_error is not None:
+            _check_number("residual_error", self.residual_error, 1e-9, 1.0)
         _check_number("sigma", self.sigma, 0.0, 1.0)
         _check_number("stickiness", self.stickiness, 0.0, 4.0)
         for knob in ("precision_only_grows", "joint_moment_mask", "first_moment_octaves"):

@@ -17,7 +17,7 @@ from ..codecs._parallel import parallel_map_sized
 from ..codecs.base import Encoded
 from ..codecs.bucket_delta import EntropyStats
 from ..codecs.dynaquant import DynaQuantCodec, DynaQuantDeltaCodec
-from ..codecs.log_sketch import SIGNED_KEYS, signed_keys
+from ..codecs.log_sketch import SIGNED_KEYS, magnitude_keys, signed_keys
 from ..codecs.lossy_input import working_dtype
 from ..codecs.nonuniform_quantizer import fit_centroids_batch
 from ..codecs.unchanged import UnchangedCodec
@@ -68,6 +68,7 @@ class WeightPlanning:
     neighbourhood: int
     precision_only_grows: bool
     residual_bins: tuple[int, ...]
+    residual_error: Optional[float]
     _memory: _Memory
 
     def _store_changes_where_smaller(
@@ -177,13 +178,19 @@ class WeightPlanning:
         allowed: dict[int, float],
         stats: dict[int, EntropyStats],
     ) -> list[tuple[int, ResidualCodec]]:
-        """:meth:`_residual_codec` of each weight in ``indices`` (its entropy figures into
-        ``stats``). With a single level count to take, nothing is judged per tensor: the
-        levels of all the changes are fitted side by side, each exactly the fit its encode
-        would run alone (one k-means of a few thousand histogram points is mostly
-        per-operation overhead)."""
+        """The codec of each weight in ``indices`` stored as its change since the reference
+        (its entropy figures into ``stats``), with the number of levels it takes.
+
+        With ``residual_error`` (the default) the change is rounded to evenly spaced levels,
+        ``sqrt(12 * residual_error)`` times its RMS apart, so that the rounding costs about
+        ``residual_error`` of its squared size. Otherwise :meth:`_residual_codec` judges
+        each change on the ``residual_bins`` grid; with a single level count nothing is
+        judged per tensor, and the k-means levels of all the changes are fitted side by
+        side, each exactly the fit its encode would run alone (one k-means of a few
+        thousand histogram points is mostly per-operation overhead).
+        """
         sizes = [leaf_nbytes(leaves[i]) for i in indices]
-        if len(self.residual_bins) > 1:
+        if self.residual_error is None and len(self.residual_bins) > 1:
             return parallel_map_sized(
                 lambda i: self._residual_codec(leaves, references, layout, i, trials[i], allowed[i], stats[i]),
                 indices, sizes,
@@ -192,7 +199,15 @@ class WeightPlanning:
         inner = DynaQuantCodec(bins=bins, prune=0.0, protect=0.0, sigma=self.sigma)
         # No keys hint: the encode computes the change's keys again (one cheap pass), so the
         # keys of every change are not held at once until the encodes.
-        counts = parallel_map_sized(lambda i: _change_histogram(leaves[i].tensor, references[i]), indices, sizes)
+        summaries = parallel_map_sized(lambda i: _change_summary(leaves[i].tensor, references[i]), indices, sizes)
+        if self.residual_error is not None:
+            coded = []
+            for index, (histogram, rms, largest) in zip(indices, summaries):
+                centroids, prune_below = even_levels(rms, largest, self.residual_error)
+                hinted = inner.with_hints(counts=histogram, centroids=centroids, prune_below=prune_below, stats=stats[index])
+                coded.append((centroids.numel(), ResidualCodec(hinted)))
+            return coded
+        counts = [histogram for histogram, _, _ in summaries]
         levels = fit_centroids_batch([inner.centroid_fit(histogram) for histogram in counts])
         return [
             (bins, ResidualCodec(inner.with_hints(counts=histogram, centroids=centroids, stats=stats[index])))
@@ -539,8 +554,38 @@ class _WeightPlan:
         return error
 
 
-def _change_histogram(tensor: torch.Tensor, reference: Optional[torch.Tensor]) -> torch.Tensor:
-    """The signed-key histogram of ``tensor - reference`` as :class:`ResidualCodec` encodes it."""
+def _change_summary(tensor: torch.Tensor, reference: Optional[torch.Tensor]) -> tuple[torch.Tensor, float, float]:
+    """``(histogram, rms, largest)`` of ``tensor - reference`` as :class:`ResidualCodec`
+    encodes it: its signed-key histogram, root mean square and largest magnitude."""
     compute = working_dtype(tensor.dtype)
     change = tensor.detach().reshape(-1).to(compute) - reference.detach().to(tensor.device).reshape(-1).to(compute)  # type: ignore[union-attr]
-    return torch.bincount(signed_keys(change), minlength=SIGNED_KEYS).cpu()
+    histogram = torch.bincount(signed_keys(change), minlength=SIGNED_KEYS).cpu()
+    if change.numel() == 0:
+        return histogram, 0.0, 0.0
+    return histogram, float(torch.linalg.vector_norm(change)) / change.numel() ** 0.5, float(change.abs().max())
+
+
+#: The most evenly spaced levels on each side of 0 (the id coder holds 4,096 ids: these,
+#: the zero level and the protect id); a change reaching further is clipped to the last.
+MAX_EVEN_LEVELS = 2000
+
+
+def even_levels(rms: float, largest: float, error: float) -> tuple[torch.Tensor, int]:
+    """``(centroids, prune_below)``: the non-zero levels ``+-step, +-2 step, ...`` up to
+    ``largest``, with ``step = rms * sqrt(12 * error)``, and the magnitude key under which
+    a value rounds to 0 (below half a step).
+
+    Rounding to levels ``step`` apart errs by ``step^2 / 12`` in the mean square, so the
+    change loses about ``error`` of its squared size wherever its values spread over a few
+    steps or more. For the same error, such levels cost fewer coded bits than k-means
+    levels: those have about equally many values in each cell, evenly spaced ones most
+    values in the few central cells.
+    """
+    if not (rms > 0.0 and math.isfinite(rms) and math.isfinite(largest)):
+        return torch.tensor([-1.0, 1.0]), 1  # nothing moved: every value is 0
+    step = rms * math.sqrt(12.0 * error)
+    count = max(1, min(MAX_EVEN_LEVELS, math.floor(largest / step + 0.5)))
+    side = torch.arange(1, count + 1, dtype=torch.float64) * step
+    centroids = torch.cat([-side.flip(0), side]).to(torch.float32)
+    prune_below = max(int(magnitude_keys(torch.tensor([step / 2], dtype=torch.float32))[0]), 1)
+    return centroids, prune_below
