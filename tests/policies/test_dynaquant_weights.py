@@ -354,7 +354,7 @@ def test_even_levels_store_a_change_in_fewer_bytes_than_kmeans_levels_of_its_err
 
 
 def test_even_levels_round_to_the_nearest_step_and_to_zero_below_half_a_step() -> None:
-    from inshrinkerator.policies.dynaquant_weights import MAX_EVEN_LEVELS, even_levels
+    from inshrinkerator.policies.even_levels import MAX_EVEN_LEVELS, even_levels
 
     step = 0.25 * (12 * 0.03) ** 0.5
     centroids, prune_below = even_levels(0.25, 3.2 * step, 0.03)

@@ -158,7 +158,15 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
             A restore bakes a checkpoint's error into the run; the next save quantizes the
             restored (already quantized) values, which look easy, and going coarser then
             adds new error on top: over the benchmark's 10 restores that compounded.
-        moment_bins: non-zero levels of Adam's first moments (symmetric pairs around 0).
+        moment_bins: non-zero levels of Adam's first moments (symmetric pairs around 0),
+            k-means fitted, where ``first_moment_keep`` prunes them or with
+            ``first_moment_error=None``.
+        first_moment_error: an Adam first moment kept whole (checkpoints closer than
+            ``first_moment_keep_after`` steps) is rounded to evenly spaced levels that lose
+            about this share of its squared size (0 below half a step, so no entry changes
+            sign or more than doubles). 0.08 is about what 8 k-means levels lost on
+            MiniLM, whose first moments it stores 26 % smaller (docs/dynaquant-measurements.md,
+            *Evenly spaced levels for stored changes*). None: ``moment_bins`` k-means levels.
         momentum_bins: the same for SGD momentum buffers (the step itself: 4 kept the
             digits SGD run within one test image; 8 cost 12% of its full-state ratio).
         first_moment_keep: fraction of Adam's first moment kept (largest ``|m| / sqrt(v)``;
@@ -228,6 +236,7 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
     neighbourhood: int = 1
     precision_only_grows: bool = True
     moment_bins: int = 8
+    first_moment_error: Optional[float] = 0.08
     momentum_bins: int = 4
     first_moment_keep: float = 0.1
     first_moment_keep_after: int = 30
@@ -256,6 +265,8 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
         _check_grid("residual_bins", self.residual_bins, int, 1, 1024)
         if self.residual_error is not None:
             _check_number("residual_error", self.residual_error, 1e-9, 1.0)
+        if self.first_moment_error is not None:
+            _check_number("first_moment_error", self.first_moment_error, 1e-9, 1.0)
         _check_number("sigma", self.sigma, 0.0, 1.0)
         _check_number("stickiness", self.stickiness, 0.0, 4.0)
         for knob in ("precision_only_grows", "joint_moment_mask", "first_moment_octaves"):

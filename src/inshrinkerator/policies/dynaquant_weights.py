@@ -17,13 +17,14 @@ from ..codecs._parallel import parallel_map_sized
 from ..codecs.base import Encoded
 from ..codecs.bucket_delta import EntropyStats
 from ..codecs.dynaquant import DynaQuantCodec, DynaQuantDeltaCodec
-from ..codecs.log_sketch import SIGNED_KEYS, magnitude_keys, signed_keys
+from ..codecs.log_sketch import SIGNED_KEYS, signed_keys
 from ..codecs.lossy_input import working_dtype
 from ..codecs.nonuniform_quantizer import fit_centroids_batch
 from ..codecs.unchanged import UnchangedCodec
 from ..tree import TensorLeaf, format_key_path
 from .base import encoded_size, leaf_nbytes, usable_reference
 from .dynaquant_search import ConfigurationCube, Point, SearchRecord
+from .even_levels import even_levels
 from .quantization_trials import MAGNITUDE, TrialConfig, WeightTrial
 from .state_layout import StateLayout, TensorRole
 
@@ -564,28 +565,3 @@ def _change_summary(tensor: torch.Tensor, reference: Optional[torch.Tensor]) -> 
         return histogram, 0.0, 0.0
     return histogram, float(torch.linalg.vector_norm(change)) / change.numel() ** 0.5, float(change.abs().max())
 
-
-#: The most evenly spaced levels on each side of 0 (the id coder holds 4,096 ids: these,
-#: the zero level and the protect id); a change reaching further is clipped to the last.
-MAX_EVEN_LEVELS = 2000
-
-
-def even_levels(rms: float, largest: float, error: float) -> tuple[torch.Tensor, int]:
-    """``(centroids, prune_below)``: the non-zero levels ``+-step, +-2 step, ...`` up to
-    ``largest``, with ``step = rms * sqrt(12 * error)``, and the magnitude key under which
-    a value rounds to 0 (below half a step).
-
-    Rounding to levels ``step`` apart errs by ``step^2 / 12`` in the mean square, so the
-    change loses about ``error`` of its squared size wherever its values spread over a few
-    steps or more. For the same error, such levels cost fewer coded bits than k-means
-    levels: those have about equally many values in each cell, evenly spaced ones most
-    values in the few central cells.
-    """
-    if not (rms > 0.0 and math.isfinite(rms) and math.isfinite(largest)):
-        return torch.tensor([-1.0, 1.0]), 1  # nothing moved: every value is 0
-    step = rms * math.sqrt(12.0 * error)
-    count = max(1, min(MAX_EVEN_LEVELS, math.floor(largest / step + 0.5)))
-    side = torch.arange(1, count + 1, dtype=torch.float64) * step
-    centroids = torch.cat([-side.flip(0), side]).to(torch.float32)
-    prune_below = max(int(magnitude_keys(torch.tensor([step / 2], dtype=torch.float32))[0]), 1)
-    return centroids, prune_below

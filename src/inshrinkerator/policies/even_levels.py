@@ -1,0 +1,38 @@
+"""Evenly spaced levels around an exact zero, spaced for a given share of a tensor's energy
+as the error of rounding to them (docs/dynaquant.md)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..codecs.log_sketch import magnitude_keys
+
+__all__ = ["MAX_EVEN_LEVELS", "even_levels"]
+
+#: The most evenly spaced levels on each side of 0 (the id coder holds 4,096 ids: these,
+#: the zero level and the protect id); a value reaching further is rounded to the last.
+MAX_EVEN_LEVELS = 2000
+
+
+def even_levels(rms: float, largest: float, error: float) -> tuple[torch.Tensor, int]:
+    """``(centroids, prune_below)``: the non-zero levels ``+-step, +-2 step, ...`` up to
+    ``largest``, with ``step = rms * sqrt(12 * error)``, and the magnitude key under which
+    a value rounds to 0 (below half a step).
+
+    Rounding to levels ``step`` apart errs by ``step^2 / 12`` in the mean square, so a
+    tensor of root mean square ``rms`` loses about ``error`` of its squared size wherever
+    its values spread over a few steps or more. For the same error, such levels cost fewer
+    coded bits than k-means levels: those have about equally many values in each cell,
+    evenly spaced ones most values in the few central cells. A value keeps its sign and is
+    at most doubled (one below half a step becomes 0).
+    """
+    if not (rms > 0.0 and math.isfinite(rms) and math.isfinite(largest)):
+        return torch.tensor([-1.0, 1.0]), 1  # every value is 0: any levels do
+    step = rms * math.sqrt(12.0 * error)
+    count = max(1, min(MAX_EVEN_LEVELS, math.floor(largest / step + 0.5)))
+    side = torch.arange(1, count + 1, dtype=torch.float64) * step
+    centroids = torch.cat([-side.flip(0), side]).to(torch.float32)
+    prune_below = max(int(magnitude_keys(torch.tensor([step / 2], dtype=torch.float32))[0]), 1)
+    return centroids, prune_below
