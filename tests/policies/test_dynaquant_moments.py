@@ -282,8 +282,9 @@ def test_first_moments_are_pruned_only_far_enough_from_the_checkpoint_before(tmp
 def test_a_full_checkpoint_counts_its_steps_from_the_save_before_it(tmp_path) -> None:
     # Every checkpoint full, 5 Adam steps apart: the policy remembers its previous save (5
     # steps: every entry kept); a fresh policy counts from the optimizer's start (15: pruned).
+    # (k-means levels: evenly spaced ones round more of a whole moment's entries to 0.)
     _, states = trained_states(3)
-    options = {"first_moment_keep": 0.1, "first_moment_keep_after": 6}
+    options = {"first_moment_keep": 0.1, "first_moment_keep_after": 6, "first_moment_error": None}
     manager = ink.CheckpointManager(tmp_path / "run", policy=DynaQuant(**options), full_every=1)
     for step, state in enumerate(states):
         manager.save(step, state)
@@ -371,6 +372,33 @@ def test_a_step_counter_that_is_no_real_number_is_no_counter(tmp_path) -> None:
     manager.close()
     restored = ink.CheckpointManager(tmp_path / "run").load(1)["optimizer"]["state"][0]["step"]
     assert torch.equal(restored, torch.tensor(3 + 1j))
+
+
+def test_a_first_moment_kept_whole_is_rounded_to_evenly_spaced_levels(tmp_path) -> None:
+    # Kept whole, a first moment goes to the levels +-step, +-2 step, ... that lose about
+    # first_moment_error of its squared size; None keeps the k-means levels.
+    _, states = trained_states(2)
+    state = states[1]
+    sizes = {}
+    for error in (0.02, 0.08, None):
+        policy = DynaQuant(first_moment_keep=1.0, first_moment_error=error)
+        sizes[error] = ink.save(state, tmp_path / f"{error}.ink", policy=policy).stored_bytes
+        loaded = ink.load(tmp_path / f"{error}.ink")["optimizer"]["state"]
+        checked = 0
+        for key, entry in state["optimizer"]["state"].items():
+            m, restored = entry["exp_avg"], loaded[key]["exp_avg"]
+            if m.numel() < 1024:
+                continue
+            checked += 1
+            positive = torch.unique(restored[restored > 0]).double()
+            multiples = positive / positive.min()
+            evenly = bool(torch.allclose(multiples, multiples.round(), atol=1e-4))
+            assert evenly == (error is not None)
+            if error is not None:
+                relative = float((restored - m).pow(2).sum() / m.pow(2).sum())
+                assert 0.8 * error <= relative <= 1.2 * error
+        assert checked
+    assert sizes[0.02] > sizes[0.08]
 
 
 def test_adam_first_moments_and_sgd_momentum_get_their_own_level_counts() -> None:
