@@ -24,7 +24,7 @@ from ..codecs.log_sketch import MAGNITUDE_KEYS, SIGNED_KEYS, magnitude_keys, sig
 from ..codecs.nonuniform_quantizer import LOG, LevelTable, fit_centroids_batch
 from ..tree import TensorLeaf, format_key_path
 from .base import encoded_size, leaf_nbytes, usable_reference
-from .even_levels import even_levels
+from .even_levels import even_levels, spread
 from .first_moment_levels import zero_level_hints_batch
 from .quantization_trials import quantile_key
 from .state_layout import StateLayout, TensorRole
@@ -211,11 +211,10 @@ class MomentPlanning:
                 keep = momentum_keep
             else:
                 keep = first_keep
-            if keep >= 1.0 and not small and role is TensorRole.FIRST_MOMENT and self.first_moment_error is not None:
+            whole = keep >= 1.0 and not small and role is TensorRole.FIRST_MOMENT
+            if whole and self.first_moment_error is not None:
                 # Every entry kept: evenly spaced levels, with the zero cell below half a step.
-                flat = tensor.reshape(-1).float()
-                rms = float(torch.linalg.vector_norm(flat)) / max(flat.numel(), 1) ** 0.5
-                centroids, prune_below = even_levels(rms, float(flat.abs().max()) if flat.numel() else 0.0, self.first_moment_error)
+                centroids, prune_below = even_levels(*spread(tensor.reshape(-1).float()), self.first_moment_error)
                 extra, zero_levels = {"centroids": centroids, "prune_below": prune_below}, None
             else:
                 extra, zero_levels = self._first_moment_hints(tensor, keys, counts, role, partner, keep, bins, joint_mask)

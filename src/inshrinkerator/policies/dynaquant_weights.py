@@ -24,7 +24,7 @@ from ..codecs.unchanged import UnchangedCodec
 from ..tree import TensorLeaf, format_key_path
 from .base import encoded_size, leaf_nbytes, usable_reference
 from .dynaquant_search import ConfigurationCube, Point, SearchRecord
-from .even_levels import even_levels
+from .even_levels import even_levels, spread
 from .quantization_trials import MAGNITUDE, TrialConfig, WeightTrial
 from .state_layout import StateLayout, TensorRole
 
@@ -560,8 +560,5 @@ def _change_summary(tensor: torch.Tensor, reference: Optional[torch.Tensor]) -> 
     encodes it: its signed-key histogram, root mean square and largest magnitude."""
     compute = working_dtype(tensor.dtype)
     change = tensor.detach().reshape(-1).to(compute) - reference.detach().to(tensor.device).reshape(-1).to(compute)  # type: ignore[union-attr]
-    histogram = torch.bincount(signed_keys(change), minlength=SIGNED_KEYS).cpu()
-    if change.numel() == 0:
-        return histogram, 0.0, 0.0
-    return histogram, float(torch.linalg.vector_norm(change)) / change.numel() ** 0.5, float(change.abs().max())
+    return (torch.bincount(signed_keys(change), minlength=SIGNED_KEYS).cpu(), *spread(change))
 

@@ -9,7 +9,7 @@ import torch
 
 from ..codecs.log_sketch import magnitude_keys
 
-__all__ = ["MAX_EVEN_LEVELS", "even_levels"]
+__all__ = ["MAX_EVEN_LEVELS", "even_levels", "spread"]
 
 #: The most evenly spaced levels on each side of 0 (the id coder holds 4,096 ids: these,
 #: the zero level and the protect id); a value reaching further is rounded to the last.
@@ -36,3 +36,11 @@ def even_levels(rms: float, largest: float, error: float) -> tuple[torch.Tensor,
     centroids = torch.cat([-side.flip(0), side]).to(torch.float32)
     prune_below = max(int(magnitude_keys(torch.tensor([step / 2], dtype=torch.float32))[0]), 1)
     return centroids, prune_below
+
+
+def spread(values: torch.Tensor) -> tuple[float, float]:
+    """``(rms, largest)`` of flat ``values``: the root mean square and the largest magnitude
+    that :func:`even_levels` takes (0, 0 for no values)."""
+    if values.numel() == 0:
+        return 0.0, 0.0
+    return float(torch.linalg.vector_norm(values)) / values.numel() ** 0.5, float(values.abs().max())
