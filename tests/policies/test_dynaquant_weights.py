@@ -585,3 +585,50 @@ def test_a_manager_averages_the_gradients_of_a_layer_unfrozen_after_watch(tmp_pa
         mgr.save(1, {"model": model.state_dict(), "optimizer": optimizer.state_dict()})
         _train_two_layers(model, optimizer, 10)
         assert watch.gradient_average(first) is not None
+
+
+def _small_weight_plan(policy: DynaQuant, with_optimizer: bool = True) -> tuple[dict, dict, dict]:
+    """(codecs, tensors, references) by key of the small model's second state planned
+    against its first: model/5.weight (320 values) is under ``min_numel``."""
+    _, (before, after) = trained_states(2)
+    if not with_optimizer:
+        before, after = {"model": before["model"]}, {"model": after["model"]}
+    flat = flatten(after)
+    keys = [format_key_path(leaf.path) for leaf in flat.tensors]
+    earlier = {format_key_path(leaf.path): leaf.tensor for leaf in flatten(before).tensors}
+    references = [earlier[key] if key.startswith("model/") else None for key in keys]
+    codecs = dict(zip(keys, policy.plan(flat.tensors, references)))
+    return codecs, {k: leaf.tensor for k, leaf in zip(keys, flat.tensors)}, dict(zip(keys, references))
+
+
+def test_a_small_weight_that_trains_is_stored_as_its_change_at_a_delta() -> None:
+    # A bias or a small layer costs its lossless bytes at every delta; its change on evenly
+    # spaced levels loses about residual_error of the change and takes far fewer bytes.
+    from inshrinkerator.codecs import ResidualCodec
+
+    codecs, tensors, references = _small_weight_plan(DynaQuant())
+    key = "model/5.weight"
+    assert tensors[key].numel() < DynaQuant().min_numel
+    assert isinstance(codecs[key], ResidualCodec)
+    change = codecs[key].encode(tensors[key], references[key])
+    moved = float((tensors[key] - references[key]).pow(2).sum())
+    error = float((change.reconstruction - tensors[key]).pow(2).sum())
+    assert 0.5 * 0.03 * moved <= error <= 1.5 * 0.03 * moved
+    exact_codecs, _, _ = _small_weight_plan(DynaQuant(small_min_numel=1024))
+    assert not isinstance(exact_codecs[key], ResidualCodec)
+    exact = exact_codecs[key].encode(tensors[key], references[key])
+    assert sum(map(len, change.streams)) < 0.5 * sum(map(len, exact.streams))
+    # Under small_min_numel (a 32-value bias) the weight stays exact.
+    assert tensors["model/3.bias"].numel() < 64
+    assert not isinstance(codecs["model/3.bias"], ResidualCodec)
+
+
+def test_a_small_weight_without_optimizer_state_or_reference_stays_exact() -> None:
+    from inshrinkerator.codecs import ResidualCodec
+
+    codecs, _, _ = _small_weight_plan(DynaQuant(), with_optimizer=False)
+    assert not isinstance(codecs["model/5.weight"], ResidualCodec)
+    _, (state,) = trained_states(1)
+    flat = flatten(state)
+    planned = DynaQuant().plan(flat.tensors, [None] * len(flat.tensors))
+    assert not any(isinstance(codec, ResidualCodec) for codec in planned)

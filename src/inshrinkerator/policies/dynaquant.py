@@ -47,7 +47,10 @@ Per checkpoint (the weights planned in :mod:`.dynaquant_weights`, the moments in
    weights; or, with
    ``second_moment="factored"``, the row and column means of each matrix (Adafactor's
    estimate, :class:`~inshrinkerator.codecs.FactoredMomentCodec`).
-4. Everything else — step counters, ``param_groups``, integer tensors, buffers,
+4. **Small weights** (under ``min_numel``: biases, norm layers) with optimizer state: at a
+   delta, their change since the reference on evenly spaced levels where that is smaller
+   than storing them exactly (those of at least ``small_min_numel`` values); else exact.
+5. Everything else — step counters, ``param_groups``, integer tensors, buffers, other
    tensors smaller than ``min_numel`` — is stored losslessly.
 """
 
@@ -74,7 +77,7 @@ from .dynaquant_search import Point, SearchRecord
 from .dynaquant_weights import PROXY_SCALE, WeightPlanning
 from .gradient_watch import GradientWatch
 from .lossless import Lossless
-from .state_layout import layout_of, optimizer_entry_name
+from .state_layout import TensorRole, layout_of, optimizer_entry_name
 
 __all__ = ["DynaQuant", "PROXY_SCALE", "SearchRecord"]
 
@@ -174,9 +177,12 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
             steps after the checkpoint before them (Adam's ``step`` counters tell: the
             reference's at a delta; at a full checkpoint, the last save this policy object
             planned, or the optimizer's start for its first); every entry is kept at the
-            others (0: prune at every checkpoint).
+            others (0: prune at every checkpoint). 0.05 instead of 0.1 stored the char GPT
+            benchmark 8 % smaller at +0.02 points of paired-restore degradation
+            (docs/dynaquant-measurements.md, *Keeping 5 % of the first moment*).
         momentum_keep: fraction of an SGD or RMSprop momentum buffer kept (largest
-            magnitude), at the checkpoints where ``first_moment_keep`` applies. SGD keeps no
+            magnitude), at the checkpoints where ``first_moment_keep`` applies (0.05
+            cost the digits SGD run a test image on 6 of 8 seeds). SGD keeps no
             ``step`` counters: the steps are the backward passes of the watched model (with
             gradient accumulation, several per step: scale ``first_moment_keep_after`` by
             them), and without one every entry is kept (on the digits SGD benchmark, 0.1
@@ -216,7 +222,14 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
             where 12 levels did, for ~3 % fewer bytes (12 stored 5.5 % fewer than 16 at
             +0.06 points of mean degradation; 8 levels cost +0.26 points;
             docs/dynaquant-measurements.md, *Residual levels*).
-        min_numel: smaller tensors are stored losslessly (moments: ``moment_min_numel``).
+        min_numel: smaller tensors are stored losslessly (moments: ``moment_min_numel``),
+            but for the weights ``small_min_numel`` takes at deltas.
+        small_min_numel: a weight under ``min_numel`` with at least this many values (a
+            bias, a norm layer's scale) that has optimizer state is stored at a delta as
+            its change since the reference on evenly spaced levels (``residual_error``, or
+            ``residual_bins[0]`` k-means levels) where that is smaller than storing it
+            exactly: 3-4 % of the char GPT benchmark's bytes (docs/dynaquant-measurements.md,
+            *Small weights stored as their change*). ``min_numel`` or more: always exact.
         moment_min_numel: smaller first and second moments are stored losslessly. Those
             of weights under ``min_numel`` (biases, norm layers) get twice the levels and
             are never pruned; stored exactly, they were 6 % of the char GPT benchmark's
@@ -238,7 +251,7 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
     moment_bins: int = 8
     first_moment_error: Optional[float] = 0.08
     momentum_bins: int = 4
-    first_moment_keep: float = 0.1
+    first_moment_keep: float = 0.05
     first_moment_keep_after: int = 30
     momentum_keep: float = 0.1
     second_moment_bins: int = 8
@@ -249,6 +262,7 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
     residual_error: Optional[float] = 0.03
     min_numel: int = 1024
     moment_min_numel: int = 64
+    small_min_numel: int = 64
     name: str = "dynaquant"
     _memory: _Memory = field(default_factory=_Memory, init=False, repr=False, compare=False)
 
@@ -280,7 +294,8 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
         if self.second_moment not in ("factored", "quantized"):
             raise ValueError(f"second_moment must be 'factored' or 'quantized', got {self.second_moment!r}")
         for knob in (
-            "neighbourhood", "moment_bins", "momentum_bins", "second_moment_bins", "min_numel", "moment_min_numel"
+            "neighbourhood", "moment_bins", "momentum_bins", "second_moment_bins", "min_numel", "moment_min_numel",
+            "small_min_numel",
         ):
             value = getattr(self, knob)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -342,6 +357,12 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
             codecs[index] = UnchangedCodec()
             eligible[index] = False
         weights = self._plan_weights(leaves, references, layout, eligible, codecs)
+        small = [
+            i for i in layout.indices(TensorRole.WEIGHT)
+            if not eligible[i] and leaves[i].tensor.is_floating_point()
+            and self.small_min_numel <= leaves[i].tensor.numel() < self.min_numel and i not in frozen
+        ]
+        small_stats = self._plan_small_changes(leaves, references, layout, codecs, small)
         steps = self._steps_since_last_checkpoint(leaves, references)
         first_keep = self._keep_at(self.first_moment_keep, steps)
         momentum_keep = self._keep_at(self.momentum_keep, steps)
@@ -407,6 +428,8 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
             self._check_stored_weights(leaves, references, codecs, weights, encoded)
             for stats in weights.stats.values():
                 self._memory.entropy.merge(stats)
+        for stats in small_stats.values():
+            self._memory.entropy.merge(stats)
         return codecs
 
     # ------------------------------------------ steps between checkpoints (first-moment pruning)

@@ -72,6 +72,36 @@ class WeightPlanning:
     residual_error: Optional[float]
     _memory: _Memory
 
+    def _plan_small_changes(
+        self,
+        leaves: Sequence[TensorLeaf],
+        references: Sequence[Optional[torch.Tensor]],
+        layout: StateLayout,
+        codecs: list[Codec],
+        small: list[int],
+    ) -> dict[int, EntropyStats]:
+        """Weights under ``min_numel`` (biases, norm layers) that training moves, stored at a
+        delta as their change since the reference, where that is smaller than the lossless
+        encoding already planned: levels of their own values would cost more than their
+        record, but their change is rounded as a large weight's is (``residual_error``), at
+        an error that is a share of the change. Returns the entropy figures by leaf index."""
+        moving = [
+            i for i in small
+            if layout.optimizer_state_of(i) and usable_reference(leaves[i].tensor, references[i]) is not None
+        ]
+        if not moving:
+            return {}
+        stats = {index: EntropyStats() for index in moving}
+        coded = self._change_codecs(leaves, references, layout, moving, {}, {}, stats, single=True)
+        chosen: dict[int, EntropyStats] = {}
+        for index, (_, codec) in zip(moving, coded):
+            change = codec.prepare(leaves[index].tensor, references[index])
+            exact = codecs[index].encode(leaves[index].tensor, references[index])
+            if encoded_size(change) < encoded_size(exact):
+                codecs[index] = codec
+                chosen[index] = stats[index]
+        return chosen
+
     def _store_changes_where_smaller(
         self,
         leaves: Sequence[TensorLeaf],
@@ -178,6 +208,7 @@ class WeightPlanning:
         trials: dict[int, WeightTrial],
         allowed: dict[int, float],
         stats: dict[int, EntropyStats],
+        single: bool = False,
     ) -> list[tuple[int, ResidualCodec]]:
         """The codec of each weight in ``indices`` stored as its change since the reference
         (its entropy figures into ``stats``), with the number of levels it takes.
@@ -191,7 +222,7 @@ class WeightPlanning:
         thousand histogram points is mostly per-operation overhead).
         """
         sizes = [leaf_nbytes(leaves[i]) for i in indices]
-        if self.residual_error is None and len(self.residual_bins) > 1:
+        if self.residual_error is None and len(self.residual_bins) > 1 and not single:
             return parallel_map_sized(
                 lambda i: self._residual_codec(leaves, references, layout, i, trials[i], allowed[i], stats[i]),
                 indices, sizes,
