@@ -3,6 +3,8 @@ hints, refusals, goldens."""
 
 from __future__ import annotations
 
+import struct
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -156,7 +158,8 @@ def test_golden_files_decode_and_encode_the_same(case) -> None:
     # Older stream versions pin what readers must still decode; their levels came from the
     # encoder of that time (k-means++ seeds were drawn differently), so only the current
     # version's cases must also encode the same.
-    check_golden(case, encodes=not case.name.startswith(("v1_", "v2_")))
+    # ``even_levels_*`` cases were encoded with levels given as hints, which no config holds.
+    check_golden(case, encodes=not case.name.startswith(("v1_", "v2_", "even_levels_")))
 
 
 def test_goldens_exist() -> None:
@@ -179,3 +182,57 @@ def test_goldens_hold_every_stream_version() -> None:
         assert version == (int(case.name[1]) if old else 3), case.name
         versions.add(version)
     assert versions == {1, 2, 3}
+
+
+def _even_stream(step: float, side: int, delta: bool = False) -> tuple[object, torch.Tensor, object]:
+    from inshrinkerator.codecs.dynaquant import even_level_values
+
+    levels = even_level_values(step, side)
+    centroids = torch.cat([levels[:side], levels[side + 1:]])
+    tensor = torch.randn(2000, generator=torch.Generator().manual_seed(5)) * step * side / 3
+    codec_type = DynaQuantDeltaCodec if delta else DynaQuantCodec
+    codec = codec_type(bins=2 * side).with_hints(centroids=centroids)
+    reference = tensor + 0.3 * step if delta else None
+    return codec, tensor, codec.encode(tensor, reference) if delta else codec.encode(tensor)
+
+
+@pytest.mark.parametrize("delta", [False, True])
+def test_evenly_spaced_levels_are_stored_as_their_step(delta: bool) -> None:
+    # A table of levels -k s .. k s (each rounded once from float64) is stored as s alone
+    # (flag 4), and decodes to the very levels the encoder used.
+    step, side = float(torch.tensor(0.0123, dtype=torch.float32)), 40
+    codec, tensor, encoded = _even_stream(step, side, delta)
+    stream = bytes(encoded.streams[0])
+    assert stream[1] & 4
+    reference = tensor + 0.3 * step if delta else None
+    decoded = codec.decode(encoded.streams, encoded.params, TensorSpec.of(tensor), reference)
+    assert same_bits(decoded, encoded.reconstruction)
+    # The same levels one ulp off the grid are stored value by value: 4 bytes per level more.
+    from inshrinkerator.codecs.dynaquant import even_level_values
+
+    levels = even_level_values(step, side)
+    levels[-1] = torch.nextafter(levels[-1], torch.tensor(1.0))
+    uneven = type(codec)(bins=2 * side).with_hints(centroids=torch.cat([levels[:side], levels[side + 1:]]))
+    other = uneven.encode(tensor, reference) if delta else uneven.encode(tensor)
+    assert not bytes(other.streams[0])[1] & 4
+    assert len(bytes(other.streams[0])) == len(stream) + 4 * 2 * side
+
+
+def test_a_damaged_step_or_an_impossible_even_table_is_refused() -> None:
+    from inshrinkerator.errors import CorruptCheckpointError
+
+    step = float(torch.tensor(0.01, dtype=torch.float32))
+    codec, tensor, encoded = _even_stream(step, 8)
+    stream = bytearray(bytes(encoded.streams[0]))
+    spec = TensorSpec.of(tensor)
+    values_at = struct.calcsize("<BBHHHHI") + 1  # the header, then the varint protected count (0)
+    for bad in (float("nan"), float("inf"), 0.0, -step):
+        damaged = bytearray(stream)
+        damaged[values_at:values_at + 4] = torch.tensor([bad], dtype=torch.float32).numpy().tobytes()
+        with pytest.raises(CorruptCheckpointError):
+            codec.decode([bytes(damaged)], encoded.params, spec, None)
+    damaged = bytearray(stream)
+    damaged[1] |= 1  # evenly spaced and log-domain at once
+    with pytest.raises(FormatError):
+        codec.decode([bytes(damaged)], encoded.params, spec, None)
+    check_damaged_streams(codec, tensor)

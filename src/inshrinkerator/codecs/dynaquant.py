@@ -25,10 +25,12 @@ masks (e.g. by sensitivity) and the tensor's sketch keys through
 
 Stream layout (one stream, little-endian; ``varint`` is unsigned LEB128)::
 
-    u8 version (3; versions 1 and 2 still decode), u8 flags (bit 0: log domain, bit 1: protected values in fp16, else bf16),
-    u16 values (n, incl. the zero level), u16 zero index, u16 prune below, u16 protect above,
-    u32 reference fingerprint (0 for a full tensor), varint protected count,
-    f32[n] level values, protected values (2 bytes each), id stream (the rest)
+    u8 version (3; versions 1 and 2 still decode), u8 flags (bit 0: log domain, bit 1: protected values in fp16, else bf16,
+    bit 2: evenly spaced levels), u16 values (n, incl. the zero level), u16 zero index, u16 prune below,
+    u16 protect above, u32 reference fingerprint (0 for a full tensor), varint protected count,
+    f32[n] level values (bit 2: one f32 step s instead, n odd, zero index n // 2, the levels
+    ``(k * s)`` for k = -(n // 2)..n // 2, each product in float64 rounded to f32: :func:`even_level_values`),
+    protected values (2 bytes each), id stream (the rest)
 
 In ``dynaquant_grouped`` streams the id stream is one framed stream per octave group of
 the context, ascending (:func:`~.octave_groups.octave_groups`): ``varint length`` + that
@@ -79,7 +81,26 @@ _VERSION = 3
 # Version 1 streams (run tokens and ANS only) and version 2 (direct layout, Huffman) are
 # subsets of version 3 (symbol tuples) and still decode.
 _READABLE_VERSIONS = (1, 2, 3)
-_LOG_FLAG, _FP16_FLAG = 1, 2
+_LOG_FLAG, _FP16_FLAG, _EVEN_FLAG = 1, 2, 4
+
+
+def even_level_values(step: float, side: int) -> torch.Tensor:
+    """The level table ``-side * step, ..., -step, 0, step, ..., side * step`` in float32,
+    each level rounded once from its float64 product (what a stream with evenly spaced
+    levels holds: its ``step`` alone)."""
+    return (torch.arange(-side, side + 1, dtype=torch.float64) * step).to(torch.float32)
+
+
+def _even_step(table: LevelTable) -> Optional[float]:
+    """The step of a linear table whose levels are exactly :func:`even_level_values` of
+    it, else None (the table is stored value by value)."""
+    values, count = table.values, table.values.numel()
+    if table.domain != LINEAR or count < 3 or count % 2 == 0 or table.zero_index != count // 2:
+        return None
+    step = float(values[table.zero_index + 1])
+    if not 0.0 < step < float("inf") or not torch.equal(even_level_values(step, count // 2), values):
+        return None
+    return step
 _MAX_BINS = 1024
 #: Deltas of tensors up to this size are regrouped by predicted bucket (the sort pays off
 #: there; above it, it would dominate the encoding time).
@@ -308,7 +329,11 @@ class DynaQuantCodec(PreparedEncoding, Codec):
             protected_positions = torch.empty(0, dtype=torch.int64, device=ids.device)
         protected_dtype = torch.float16 if tensor.dtype == torch.float16 else torch.bfloat16
         protected = flat[protected_positions].to(protected_dtype)
-        flags = (_LOG_FLAG if table.domain == LOG else 0) | (_FP16_FLAG if protected_dtype == torch.float16 else 0)
+        step = _even_step(table)
+        flags = (
+            (_LOG_FLAG if table.domain == LOG else 0) | (_FP16_FLAG if protected_dtype == torch.float16 else 0)
+            | (_EVEN_FLAG if step is not None else 0)
+        )
         coded_ids, coded_predicted = ids, predicted
         if zeros is not None:  # only the other entries are coded
             stored = ~zeros
@@ -337,7 +362,10 @@ class DynaQuantCodec(PreparedEncoding, Codec):
             _VERSION, flags, table.values.numel(), table.zero_index, table.prune_below,
             table.protect_above, fingerprint,
         ) + encode_varint(protected.numel())
-        values_bytes = table.values.contiguous().numpy().tobytes()
+        if step is None:
+            values_bytes = table.values.contiguous().numpy().tobytes()
+        else:
+            values_bytes = struct.pack("<f", step)
         protected_bytes = protected.cpu().contiguous().view(torch.uint8).numpy().tobytes()
         rebuilt = reconstruct(ids, table, protected, tensor.dtype, tuple(tensor.shape), protected_positions)
         # The keys are a function of the tensor (recomputed if it is encoded again): a codec
@@ -370,7 +398,7 @@ class DynaQuantCodec(PreparedEncoding, Codec):
             raise CorruptCheckpointError(f"{self.codec_id}: stream is shorter than its header")
         version, flags, count, zero_index, prune_below, protect_above, fingerprint = _LAYOUT.unpack_from(view)
         protected_count, values_start = decode_varint(view, _LAYOUT.size)
-        if version not in _READABLE_VERSIONS or flags & ~(_LOG_FLAG | _FP16_FLAG):
+        if version not in _READABLE_VERSIONS or flags & ~(_LOG_FLAG | _FP16_FLAG | _EVEN_FLAG):
             raise FormatError(f"{self.codec_id}: unknown stream version {version} or flags {flags:#x}")
         if not 1 <= count < MAX_LEVELS or zero_index >= count or protected_count > spec.numel:
             raise FormatError(f"{self.codec_id}: header ({count} levels, zero at {zero_index}) is invalid")
@@ -381,11 +409,20 @@ class DynaQuantCodec(PreparedEncoding, Codec):
         if reference is not None:
             check_reference_fingerprint(self.codec_id, fingerprint, reference)
         protected_dtype = torch.float16 if flags & _FP16_FLAG else torch.bfloat16
-        values_end = values_start + 4 * count
+        even = bool(flags & _EVEN_FLAG)
+        if even and (flags & _LOG_FLAG or count % 2 == 0 or zero_index != count // 2):
+            raise FormatError(f"{self.codec_id}: evenly spaced levels need an odd count around the zero level")
+        values_end = values_start + (4 if even else 4 * count)
         protected_end = values_end + protected_count * protected_dtype.itemsize
         if protected_end > len(view):
             raise CorruptCheckpointError(f"{self.codec_id}: stream is shorter than its header says")
-        values = torch.frombuffer(bytearray(view[values_start:values_end]), dtype=torch.float32)
+        if even:
+            (step,) = struct.unpack_from("<f", view, values_start)
+            if not 0.0 < step < float("inf"):
+                raise CorruptCheckpointError(f"{self.codec_id}: level step {step} is damaged")
+            values = even_level_values(step, count // 2)
+        else:
+            values = torch.frombuffer(bytearray(view[values_start:values_end]), dtype=torch.float32)
         if not bool(torch.isfinite(values).all()) or float(values[zero_index]) != 0.0:
             raise CorruptCheckpointError(f"{self.codec_id}: level table is damaged")
         if count > 1 and not bool((values[1:] >= values[:-1]).all()):

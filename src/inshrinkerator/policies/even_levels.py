@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from ..codecs.dynaquant import even_level_values
 from ..codecs.log_sketch import magnitude_keys
 
 __all__ = ["MAX_EVEN_LEVELS", "even_levels", "spread"]
@@ -30,10 +31,12 @@ def even_levels(rms: float, largest: float, error: float) -> tuple[torch.Tensor,
     """
     if not (rms > 0.0 and math.isfinite(rms) and math.isfinite(largest)):
         return torch.tensor([-1.0, 1.0]), 1  # every value is 0: any levels do
-    step = rms * math.sqrt(12.0 * error)
+    # A float32 step: the stream then stores the step alone, and the reader rebuilds these
+    # very levels from it (codecs.dynaquant.even_level_values).
+    step = max(float(torch.tensor(rms * math.sqrt(12.0 * error), dtype=torch.float32)), torch.finfo(torch.float32).tiny)
     count = max(1, min(MAX_EVEN_LEVELS, math.floor(largest / step + 0.5)))
-    side = torch.arange(1, count + 1, dtype=torch.float64) * step
-    centroids = torch.cat([-side.flip(0), side]).to(torch.float32)
+    levels = even_level_values(step, count)
+    centroids = torch.cat([levels[:count], levels[count + 1:]])
     prune_below = max(int(magnitude_keys(torch.tensor([step / 2], dtype=torch.float32))[0]), 1)
     return centroids, prune_below
 

@@ -14,6 +14,8 @@ The bucket-id coder gets its own small goldens (``bucket_delta/*.json``: ids,
 predictions and the stream, in every mode and layout), because the codecs only use
 the un-rearranged mode for tensors too large to keep in the repository.
 
+``even_levels_*`` cases hold levels given to the encoder as hints (stored as their step):
+the tests decode them but cannot encode them again from the config alone.
 Cases named ``v1_*`` hold streams of DynaQuant stream version 1 (run tokens and ANS
 only) and ``v2_*`` of version 2 (direct layout and Huffman, no symbol tuples), written
 by the version of this script at that format; this script cannot write them any more,
@@ -40,6 +42,7 @@ from inshrinkerator.codecs import (
     DynaQuantMaskedDeltaCodec,
 )
 from inshrinkerator.codecs.bucket_delta import encode_bucket_ids
+from inshrinkerator.codecs.dynaquant import even_level_values
 
 HERE = Path(__file__).resolve().parent
 
@@ -80,6 +83,10 @@ def _cases() -> list[tuple[str, Codec, torch.Tensor, Optional[torch.Tensor], Opt
     first = _first_moment((30, 30), 8)
     spread = _second_moment((64, 80), 9)  # octaves from 2**-36 to 2**-4, and zeros
     follows = torch.randn((64, 80), generator=torch.Generator().manual_seed(10)) * spread.sqrt()
+    # Evenly spaced levels (a change rounded as the default policy rounds it), stored as their
+    # step alone: the codec's config cannot say so, so this case is decoded, not re-encoded.
+    levels = even_level_values(float(torch.tensor(1.5e-3, dtype=torch.float32)), 6)
+    even = DynaQuantCodec(bins=12).with_hints(centroids=torch.cat([levels[:6], levels[7:]]))
     return [
         ("dynaquant/float32_bins12_prune_protect", full, base, None, None),
         ("dynaquant/float32_non_finite", DynaQuantCodec(bins=4, protect=0.01), special, None, None),
@@ -98,6 +105,7 @@ def _cases() -> list[tuple[str, Codec, torch.Tensor, Optional[torch.Tensor], Opt
          log_full.encode(moment).reconstruction, first),
         ("dynaquant_grouped/float32_by_octave",
          DynaQuantGroupedCodec(bins=8, protect=0.005), follows, None, spread),
+        ("dynaquant/even_levels_float32", even, _update(base, 5, 2e-3) - base, None, None),
     ]
 
 
