@@ -632,3 +632,18 @@ def test_a_small_weight_without_optimizer_state_or_reference_stays_exact() -> No
     flat = flatten(state)
     planned = DynaQuant().plan(flat.tensors, [None] * len(flat.tensors))
     assert not any(isinstance(codec, ResidualCodec) for codec in planned)
+
+
+def test_a_small_weight_holding_nan_or_inf_is_stored_exactly_at_a_delta(tmp_path) -> None:
+    # A diverging bias must not fail the save: it is stored bit for bit, as every
+    # non-finite tensor is, and the other small weights still as their change.
+    model, (before, after) = trained_states(2)
+    after["model"]["5.weight"].view(-1)[3] = float("nan")
+    after["model"]["5.weight"].view(-1)[7] = float("inf")
+    manager = ink.CheckpointManager(tmp_path / "run")
+    manager.save(1, before)
+    manager.save(2, after)
+    restored = manager.load(2)["model"]["5.weight"]
+    manager.close()
+    assert torch.equal(restored.isnan(), after["model"]["5.weight"].isnan())
+    assert torch.equal(restored.nan_to_num(), after["model"]["5.weight"].nan_to_num())

@@ -83,6 +83,16 @@ _VERSION = 3
 _READABLE_VERSIONS = (1, 2, 3)
 _LOG_FLAG, _FP16_FLAG, _EVEN_FLAG = 1, 2, 4
 
+_MAX_BINS = 1024
+#: Deltas of tensors up to this size are regrouped by predicted bucket (the sort pays off
+#: there; above it, it would dominate the encoding time).
+REARRANGE_MAX_ELEMENTS = 1 << 18
+_FINGERPRINT_SAMPLES = 4096
+# A group's ids are also ANS-coded (and the smaller coding kept) only up to this many: above
+# it the Huffman frames' fixed cost is small, and the ANS pass would double the group's time.
+_GROUP_SMALL_STREAM = 4096
+_DEFAULTS = {"bins": 16, "prune": 0.0, "protect": 0.0, "sigma": 0.2, "domain": LINEAR, "stickiness": 0.0}
+
 
 def even_level_values(step: float, side: int) -> torch.Tensor:
     """The level table ``-side * step, ..., -step, 0, step, ..., side * step`` in float32,
@@ -101,15 +111,6 @@ def _even_step(table: LevelTable) -> Optional[float]:
     if not 0.0 < step < float("inf") or not torch.equal(even_level_values(step, count // 2), values):
         return None
     return step
-_MAX_BINS = 1024
-#: Deltas of tensors up to this size are regrouped by predicted bucket (the sort pays off
-#: there; above it, it would dominate the encoding time).
-REARRANGE_MAX_ELEMENTS = 1 << 18
-_FINGERPRINT_SAMPLES = 4096
-# A group's ids are also ANS-coded (and the smaller coding kept) only up to this many: above
-# it the Huffman frames' fixed cost is small, and the ANS pass would double the group's time.
-_GROUP_SMALL_STREAM = 4096
-_DEFAULTS = {"bins": 16, "prune": 0.0, "protect": 0.0, "sigma": 0.2, "domain": LINEAR, "stickiness": 0.0}
 
 
 def reference_fingerprint(reference: torch.Tensor) -> int:

@@ -18,7 +18,7 @@ from ..codecs.base import Encoded
 from ..codecs.bucket_delta import EntropyStats
 from ..codecs.dynaquant import DynaQuantCodec, DynaQuantDeltaCodec
 from ..codecs.log_sketch import SIGNED_KEYS, signed_keys
-from ..codecs.lossy_input import working_dtype
+from ..codecs.lossy_input import all_finite, working_dtype
 from ..codecs.nonuniform_quantizer import fit_centroids_batch
 from ..codecs.unchanged import UnchangedCodec
 from ..tree import TensorLeaf, format_key_path
@@ -85,9 +85,11 @@ class WeightPlanning:
         encoding already planned: levels of their own values would cost more than their
         record, but their change is rounded as a large weight's is (``residual_error``), at
         an error that is a share of the change. Returns the entropy figures by leaf index."""
+        # A tensor holding NaN or inf stays exact (the writer would store it so anyway).
         moving = [
             i for i in small
             if layout.optimizer_state_of(i) and usable_reference(leaves[i].tensor, references[i]) is not None
+            and all_finite(leaves[i].tensor) and all_finite(references[i])
         ]
         if not moving:
             return {}
@@ -212,6 +214,8 @@ class WeightPlanning:
     ) -> list[tuple[int, ResidualCodec]]:
         """The codec of each weight in ``indices`` stored as its change since the reference
         (its entropy figures into ``stats``), with the number of levels it takes.
+        ``single``: never judge a change on the ``residual_bins`` grid (``trials`` and
+        ``allowed`` are then not read).
 
         With ``residual_error`` (the default) the change is rounded to evenly spaced levels,
         ``sqrt(12 * residual_error)`` times its RMS apart, so that the rounding costs about
