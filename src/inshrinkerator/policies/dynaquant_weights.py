@@ -94,7 +94,7 @@ class WeightPlanning:
         if not moving:
             return {}
         stats = {index: EntropyStats() for index in moving}
-        coded = self._change_codecs(leaves, references, layout, moving, {}, {}, stats, single=True)
+        coded = self._plain_change_codecs(leaves, references, moving, stats)
         chosen: dict[int, EntropyStats] = {}
         for index, (_, codec) in zip(moving, coded):
             change = codec.prepare(leaves[index].tensor, references[index])
@@ -210,27 +210,35 @@ class WeightPlanning:
         trials: dict[int, WeightTrial],
         allowed: dict[int, float],
         stats: dict[int, EntropyStats],
-        single: bool = False,
     ) -> list[tuple[int, ResidualCodec]]:
         """The codec of each weight in ``indices`` stored as its change since the reference
         (its entropy figures into ``stats``), with the number of levels it takes.
-        ``single``: never judge a change on the ``residual_bins`` grid (``trials`` and
-        ``allowed`` are then not read).
 
         With ``residual_error`` (the default) the change is rounded to evenly spaced levels,
         ``sqrt(12 * residual_error)`` times its RMS apart, so that the rounding costs about
         ``residual_error`` of its squared size. Otherwise :meth:`_residual_codec` judges
         each change on the ``residual_bins`` grid; with a single level count nothing is
-        judged per tensor, and the k-means levels of all the changes are fitted side by
-        side, each exactly the fit its encode would run alone (one k-means of a few
-        thousand histogram points is mostly per-operation overhead).
+        judged per tensor (:meth:`_plain_change_codecs`).
         """
-        sizes = [leaf_nbytes(leaves[i]) for i in indices]
-        if self.residual_error is None and len(self.residual_bins) > 1 and not single:
+        if self.residual_error is None and len(self.residual_bins) > 1:
             return parallel_map_sized(
                 lambda i: self._residual_codec(leaves, references, layout, i, trials[i], allowed[i], stats[i]),
-                indices, sizes,
+                indices, [leaf_nbytes(leaves[i]) for i in indices],
             )
+        return self._plain_change_codecs(leaves, references, indices, stats)
+
+    def _plain_change_codecs(
+        self,
+        leaves: Sequence[TensorLeaf],
+        references: Sequence[Optional[torch.Tensor]],
+        indices: list[int],
+        stats: dict[int, EntropyStats],
+    ) -> list[tuple[int, ResidualCodec]]:
+        """Like :meth:`_change_codecs`, with nothing judged per tensor: each change on evenly
+        spaced levels (``residual_error``), or on ``residual_bins[0]`` k-means levels fitted
+        for all the changes side by side, each exactly the fit its encode would run alone
+        (one k-means of a few thousand histogram points is mostly per-operation overhead)."""
+        sizes = [leaf_nbytes(leaves[i]) for i in indices]
         bins = self.residual_bins[0]
         inner = DynaQuantCodec(bins=bins, prune=0.0, protect=0.0, sigma=self.sigma)
         # No keys hint: the encode computes the change's keys again (one cheap pass), so the
