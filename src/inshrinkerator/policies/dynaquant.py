@@ -77,7 +77,7 @@ from .dynaquant_search import Point, SearchRecord
 from .dynaquant_weights import PROXY_SCALE, WeightPlanning
 from .gradient_watch import GradientWatch
 from .lossless import Lossless
-from .state_layout import TensorRole, layout_of, optimizer_entry_name
+from .state_layout import layout_of, optimizer_entry_name
 
 __all__ = ["DynaQuant", "PROXY_SCALE", "SearchRecord"]
 
@@ -357,12 +357,7 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
             codecs[index] = UnchangedCodec()
             eligible[index] = False
         weights = self._plan_weights(leaves, references, layout, eligible, codecs)
-        small = [
-            i for i in layout.indices(TensorRole.WEIGHT)
-            if not eligible[i] and leaves[i].tensor.is_floating_point()
-            and self.small_min_numel <= leaves[i].tensor.numel() < self.min_numel and i not in frozen
-        ]
-        small_stats = self._plan_small_changes(leaves, references, layout, codecs, small)
+        small_stats = self._plan_small_changes(leaves, references, layout, codecs, set(frozen))
         steps = self._steps_since_last_checkpoint(leaves, references)
         first_keep = self._keep_at(self.first_moment_keep, steps)
         momentum_keep = self._keep_at(self.momentum_keep, steps)

@@ -70,6 +70,8 @@ class WeightPlanning:
     precision_only_grows: bool
     residual_bins: tuple[int, ...]
     residual_error: Optional[float]
+    min_numel: int
+    small_min_numel: int
     _memory: _Memory
 
     def _plan_small_changes(
@@ -78,17 +80,21 @@ class WeightPlanning:
         references: Sequence[Optional[torch.Tensor]],
         layout: StateLayout,
         codecs: list[Codec],
-        small: list[int],
+        frozen: set[int],
     ) -> dict[int, EntropyStats]:
-        """Weights under ``min_numel`` (biases, norm layers) that training moves, stored at a
-        delta as their change since the reference, where that is smaller than the lossless
-        encoding already planned: levels of their own values would cost more than their
-        record, but their change is rounded as a large weight's is (``residual_error``), at
-        an error that is a share of the change. Returns the entropy figures by leaf index."""
+        """Weights under ``min_numel`` (biases, norm layers; from ``small_min_numel`` values)
+        that training moves, stored at a delta as their change since the reference, where
+        that is smaller than the lossless encoding already planned: levels of their own
+        values would cost more than their record, but their change is rounded as a large
+        weight's is (``residual_error``), at an error that is a share of the change.
+        ``frozen``: the watched model's frozen parameters. Returns the entropy figures by
+        leaf index."""
         # A tensor holding NaN or inf stays exact (the writer would store it so anyway).
         moving = [
-            i for i in small
-            if layout.optimizer_state_of(i) and usable_reference(leaves[i].tensor, references[i]) is not None
+            i for i in layout.indices(TensorRole.WEIGHT)
+            if i not in frozen and leaves[i].tensor.is_floating_point()
+            and self.small_min_numel <= leaves[i].tensor.numel() < self.min_numel
+            and layout.optimizer_state_of(i) and usable_reference(leaves[i].tensor, references[i]) is not None
             and all_finite(leaves[i].tensor) and all_finite(references[i])
         ]
         if not moving:
@@ -604,4 +610,3 @@ def _change_summary(tensor: torch.Tensor, reference: Optional[torch.Tensor]) -> 
     compute = working_dtype(tensor.dtype)
     change = tensor.detach().reshape(-1).to(compute) - reference.detach().to(tensor.device).reshape(-1).to(compute)  # type: ignore[union-attr]
     return (torch.bincount(signed_keys(change), minlength=SIGNED_KEYS).cpu(), *spread(change))
-
