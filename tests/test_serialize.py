@@ -242,13 +242,20 @@ def test_records_with_a_bad_context_are_refused() -> None:
     with _reader(data) as reader:
         second = tensor_keys(reader).index("optimizer/exp_avg_sq")
     doc, body = header_doc(data), data_region(data)
-    for bad, match in ((second, "another record"), (second + 5, "another record"), (-1, "record index"),
+    for bad, match in ((second, "its own context"), (second + 5, "no record of the file"), (-1, "record index"),
                        (True, "record index"), ("0", "record index"), (None, "needs a context")):
         forged = json.loads(json.dumps(doc))
         forged["tensors"][second]["context"] = bad
         with pytest.raises(FormatError, match=match):
             with _reader(SCRIPT.forge_v2(forged, body)) as reader:
                 read_state(reader)
+    # Contexts that run in a circle: the first moment made the second's context in turn.
+    forged = json.loads(json.dumps(doc))
+    first = forged["tensors"][second]["context"]
+    forged["tensors"][first]["context"] = second
+    with pytest.raises(FormatError, match="circle"):
+        with _reader(SCRIPT.forge_v2(forged, body)) as reader:
+            read_state(reader)
     # A context moved to a record whose codec takes none is refused too.
     forged = json.loads(json.dumps(doc))
     del forged["tensors"][second]["context"]

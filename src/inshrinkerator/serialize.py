@@ -17,6 +17,7 @@ from .codecs._parallel import single_threaded_ops
 from .codecs.base import Codec, Encoded, TensorSpec
 from .codecs.lossy_input import all_finite
 from .container import ContainerReader, ContainerWriter
+from .container.format import context_depths
 from .errors import BrokenChainError, FormatError
 from .policies import Lossless, Policy
 from .tree import TensorLeaf, flatten, format_key_path, tensor_paths, unflatten
@@ -92,22 +93,24 @@ def write_state(
     early: dict[int, Encoded] = {}
 
     def encode(index: int) -> Encoded:
+        if index in early:
+            return early.pop(index)
         codec, tensor = codecs[index], flat.tensors[index].tensor
         reference = refs[index] if codec.uses_reference else None
         context = contexts.get(index)
         if context is not None:
-            if context not in kept:
+            if context not in kept:  # a context stored later (its own context first, if any)
                 early[context] = encode(context)
-            return codec.encode(tensor, reference, context=kept[context])  # type: ignore[call-arg]
-        if index in early:
-            return early.pop(index)
-        if index in context_records:
+            encoded = codec.encode(tensor, reference, context=kept[context])  # type: ignore[call-arg]
+        elif index in context_records:
             encoded = codec.encode(tensor, reference)
+        else:
+            # A codec that can produce its streams one at a time (encode_lazily) hands them to
+            # the writer as they are made: a huge tensor never has all its output in memory.
+            return getattr(codec, "encode_lazily", codec.encode)(tensor, reference)
+        if index in context_records:
             kept[index] = encoded.reconstruction if encoded.reconstruction is not None else tensor
-            return encoded
-        # A codec that can produce its streams one at a time (encode_lazily) hands them to
-        # the writer as they are made: a huge tensor never has all its output in memory.
-        return getattr(codec, "encode_lazily", codec.encode)(tensor, reference)
+        return encoded
 
     try:
         for index, (leaf, key, codec) in enumerate(zip(flat.tensors, keys, codecs)):
@@ -138,8 +141,8 @@ def _context_indices(keys: Sequence[str], codecs: Sequence[Codec]) -> dict[int, 
     """Record index -> the index of its context record, for the codecs that use one.
 
     Raises:
-        ValueError: a codec's context is not another tensor of the state without a context
-            of its own (a bug in the policy that planned it).
+        ValueError: a codec's context is not another tensor of the state, or contexts run
+            in a circle (a bug in the policy that planned them).
     """
     index_of = {key: index for index, key in enumerate(keys)}
     contexts: dict[int, int] = {}
@@ -148,12 +151,16 @@ def _context_indices(keys: Sequence[str], codecs: Sequence[Codec]) -> dict[int, 
             continue
         key = getattr(codec, "context_key", None)
         context = index_of.get(key) if isinstance(key, str) else None
-        if context is None or context == index or codecs[context].uses_context:
+        if context is None or context == index:
             raise ValueError(
                 f"{type(codec).__name__} for {keys[index]} was planned against context {key!r}, which "
-                "is not another tensor of the state without a context of its own"
+                "is not another tensor of the state"
             )
         contexts[index] = context
+    try:
+        context_depths([contexts.get(index) for index in range(len(codecs))])
+    except ValueError as exc:
+        raise ValueError(f"the policy planned contexts that cannot be decoded: {exc}") from None
     return contexts
 
 
@@ -227,10 +234,16 @@ def referenced_keys(reader: ContainerReader, among: Optional[Collection[str]] = 
 
 
 def _with_contexts(reader: ContainerReader, indices: Sequence[int]) -> list[int]:
-    """``indices`` and the context records they decode with, in record order."""
+    """``indices`` and the context records they decode with (and theirs), in record order."""
     records = reader.header.tensors
-    needed = set(indices) | {records[i].context for i in indices if records[i].context is not None}
-    return sorted(needed)  # type: ignore[type-var]
+    needed = set(indices)
+    pending = list(needed)
+    while pending:
+        context = records[pending.pop()].context
+        if context is not None and context not in needed:
+            needed.add(context)
+            pending.append(context)
+    return sorted(needed)
 
 
 def tensor_keys(reader: ContainerReader) -> list[str]:
@@ -270,15 +283,14 @@ def _decode(
         references_in_order.append(reference)
     wheres = [f"tensor {keys[index]}" for index in indices]
     # Tensors decode in parallel, in batches of about _READ_BATCH_BYTES of raw data, so that
-    # progress is reported as it happens; those decoded with a context record after all others.
+    # progress is reported as it happens; those decoded with a context record after their
+    # contexts: a wave per depth of the chains of contexts.
     position = {index: at for at, index in enumerate(indices)}
     for record in records:
         if record.context is not None and record.context not in position:
             raise ValueError("_decode needs the context records of the records it decodes")
-    waves = [
-        [at for at, record in enumerate(records) if record.context is None],
-        [at for at, record in enumerate(records) if record.context is not None],
-    ]
+    depths = context_depths([None if record.context is None else position[record.context] for record in records])
+    waves = [[at for at, depth in enumerate(depths) if depth == wave] for wave in range(max(depths, default=-1) + 1)]
     tensors: list[Optional[torch.Tensor]] = [None] * len(records)
     total = sum(record.spec.nbytes for record in records)
     done = 0

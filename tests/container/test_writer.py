@@ -145,31 +145,34 @@ def test_a_tensor_coded_in_slices_round_trips_through_a_file() -> None:
         assert torch.equal(reader.decode(record), tensor)
 
 
-def test_a_context_must_name_another_record_without_one() -> None:
+def test_a_context_must_name_another_record() -> None:
     writer = ContainerWriter()
     spec = TensorSpec(torch.uint8, (2,))
     with pytest.raises(ValueError, match="another record"):
         writer.add(spec, RAW, Encoded(streams=[b"ab"]), context=0)  # this record itself
     writer.add(spec, RAW, Encoded(streams=[b"ab"]))
     writer.add(spec, RAW, Encoded(streams=[b"cd"]), context=0)
-    for bad in (1, 2, -1):  # #1 has a context of its own; #2 is this record
+    for bad in (2, -1):  # #2 is this record
         with pytest.raises(ValueError, match="another record"):
             writer.add(spec, RAW, Encoded(streams=[b"ef"]), context=bad)
-    writer.add(spec, RAW, Encoded(streams=[b"gh"]), context=3)  # a record added later
-    writer.add(spec, RAW, Encoded(streams=[b"ij"]))
+    writer.add(spec, RAW, Encoded(streams=[b"gh"]), context=1)  # a chain: #1 has a context of its own
+    writer.add(spec, RAW, Encoded(streams=[b"ij"]), context=4)  # a record added later
+    writer.add(spec, RAW, Encoded(streams=[b"kl"]))
     out = io.BytesIO()
-    writer.finish(out, {"l": [{"t": 0}, {"t": 1}, {"t": 2}, {"t": 3}]}, {})
+    writer.finish(out, {"l": [{"t": i} for i in range(5)]}, {})
     with ContainerReader(io.BytesIO(out.getvalue()), "ctx.ink") as reader:
-        assert [record.context for record in reader.header.tensors] == [None, 0, 3, None]
+        assert [record.context for record in reader.header.tensors] == [None, 0, 1, 4, None]
 
 
-@pytest.mark.parametrize("later", [None, 1])
-def test_finish_refuses_a_context_that_never_came_or_has_its_own(later: Optional[int]) -> None:
+@pytest.mark.parametrize("contexts, problem", [
+    ([2, None], "no record"),  # #2 never added
+    ([2, None, 0], "circle"),
+    ([1, 2, 0], "circle"),
+])
+def test_finish_refuses_a_context_that_never_came_or_a_circle(contexts: list[Optional[int]], problem: str) -> None:
     writer = ContainerWriter()
     spec = TensorSpec(torch.uint8, (2,))
-    writer.add(spec, RAW, Encoded(streams=[b"ab"]), context=2)  # #2 never added, or with a context
-    writer.add(spec, RAW, Encoded(streams=[b"cd"]))
-    if later is not None:
-        writer.add(spec, RAW, Encoded(streams=[b"ef"]), context=later)
-    with pytest.raises(ValueError, match="not another record"):
-        writer.finish(io.BytesIO(), {"l": [{"t": i} for i in range(len(writer._records))]}, {})
+    for context in contexts:
+        writer.add(spec, RAW, Encoded(streams=[b"ab"]), context=context)
+    with pytest.raises(ValueError, match=problem):
+        writer.finish(io.BytesIO(), {"l": [{"t": i} for i in range(len(contexts))]}, {})

@@ -13,7 +13,12 @@ from .uniform_quantize import UniformQuantizeCodec
 from .entropy_width_quantize import EntropyWidthQuantizeCodec
 from .cyclic_code_delta import CyclicCodeDeltaCodec
 from .dynaquant import DynaQuantCodec, DynaQuantDeltaCodec
-from .dynaquant_context import DynaQuantGroupedCodec, DynaQuantMaskedCodec, DynaQuantMaskedDeltaCodec
+from .dynaquant_context import (
+    DynaQuantGroupedCodec,
+    DynaQuantMaskedCodec,
+    DynaQuantMaskedDeltaCodec,
+    SignGroupedResidualCodec,
+)
 from .factored_moment import FactoredMomentCodec
 from .unchanged import UnchangedCodec
 
@@ -43,6 +48,7 @@ __all__ = [
     "DynaQuantGroupedCodec",
     "DynaQuantMaskedCodec",
     "DynaQuantMaskedDeltaCodec",
+    "SignGroupedResidualCodec",
     "FactoredMomentCodec",
     "UnchangedCodec",
 ]

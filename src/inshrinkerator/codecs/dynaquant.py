@@ -380,6 +380,16 @@ class DynaQuantCodec(PreparedEncoding, Codec):
     def encode(self, tensor: torch.Tensor, reference: Optional[torch.Tensor] = None) -> Encoded:
         return self._take_prepared(tensor, None) or self._encode(tensor, None)
 
+    def encode_in_groups(self, tensor: torch.Tensor, groups: OctaveGroups) -> Encoded:
+        """Encode with the ids coded one stream per group of ``groups`` (of a context the
+        decoder has too, for :meth:`decode_in_groups`); levels and reconstruction as
+        :meth:`encode`'s."""
+        return self._encode(tensor, None, groups=groups)
+
+    def decode_in_groups(self, streams: Sequence[Any], spec: TensorSpec, groups: OctaveGroups) -> torch.Tensor:
+        """Inverse of :meth:`encode_in_groups`."""
+        return self._decode(streams, spec, None, groups=groups)
+
     # -- decoding -----------------------------------------------------------------
 
     def _decode(

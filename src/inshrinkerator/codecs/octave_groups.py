@@ -1,5 +1,6 @@
-"""Octave groups: a context tensor's entries by the octave of their value, in groups whose
-ids a :class:`~.dynaquant_context.DynaQuantGroupedCodec` codes as one stream each."""
+"""Context groups: a context tensor's entries by the octave of their value (or by their
+sign), in groups whose ids a DynaQuant codec codes as one stream each
+(:class:`~.dynaquant_context.DynaQuantGroupedCodec`, :class:`~.residual.SignGroupedResidualCodec`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 from ._numpy_paths import select, stable_argsort
 
-__all__ = ["GROUP_MIN_ELEMENTS", "OctaveGroups", "octave_groups"]
+__all__ = ["GROUP_MIN_ELEMENTS", "OctaveGroups", "octave_groups", "sign_groups"]
 
 #: A context octave group holds at least this many elements (the smallest octaves join the
 #: next ones up; a short last group joins the one before): a group's stream header is a
@@ -84,7 +85,21 @@ def octave_groups(context: torch.Tensor) -> OctaveGroups:
         values = values.float()
     bits = values.contiguous().view(torch.int32)
     octave = torch.bitwise_right_shift(bits, 23).bitwise_and_(255).to(torch.uint8)
-    counts = torch.bincount(octave, minlength=256).tolist()
+    return _grouped(octave, 256)
+
+
+def sign_groups(context: torch.Tensor) -> OctaveGroups:
+    """The groups of ``context``'s entries by their sign: negative (NaN too), zero, positive,
+    each holding at least :data:`GROUP_MIN_ELEMENTS` as in :func:`octave_groups` (a small
+    group joins the next one). Exact on any device, like :func:`octave_groups`."""
+    values = context.detach().reshape(-1)
+    sign = (values > 0).to(torch.uint8) + (values >= 0).to(torch.uint8)
+    return _grouped(sign, 3)
+
+
+def _grouped(key: torch.Tensor, keys: int) -> OctaveGroups:
+    # The groups of entries by ``key`` (uint8 below ``keys``), ascending; small ones merged.
+    counts = torch.bincount(key, minlength=keys).tolist()
     sizes: list[int] = []
     pending = 0
     for count in counts:
@@ -97,4 +112,4 @@ def octave_groups(context: torch.Tensor) -> OctaveGroups:
             sizes[-1] += pending
         else:
             sizes.append(pending)
-    return OctaveGroups(octave, counts, sizes)
+    return OctaveGroups(key, counts, sizes)

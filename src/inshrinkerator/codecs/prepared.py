@@ -45,6 +45,11 @@ class PreparedEncoding:
         self._prepared = (_identity(tensor, reference, context), encoded)
         return encoded
 
+    @property
+    def prepared_result(self) -> Optional[Encoded]:
+        """The result the last :meth:`prepare` kept, until an ``encode`` takes it (else None)."""
+        return self._prepared[1] if self._prepared is not None else None
+
     def _take_prepared(
         self, tensor: torch.Tensor, reference: Optional[torch.Tensor], context: Optional[torch.Tensor] = None
     ) -> Optional[Encoded]:

@@ -13,7 +13,7 @@ against a different reference is a :class:`BrokenChainError`, not garbage.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Optional, Union
 
 import torch
@@ -60,13 +60,19 @@ class ResidualCodec(PreparedEncoding, Codec):
         prepared = self._take_prepared(tensor, reference)
         if prepared is not None:
             return prepared
+        return self._encode_residual(tensor, reference, self._inner.encode)
+
+    def _encode_residual(
+        self, tensor: torch.Tensor, reference: Optional[torch.Tensor], encode_inner: Callable[[torch.Tensor], Encoded]
+    ) -> Encoded:
+        """``tensor - reference`` coded by ``encode_inner`` (the inner codec's encode)."""
         spec = TensorSpec.of(tensor)
         reference = matching_reference(spec, reference, "a residual")
         compute = working_dtype(tensor.dtype)
         flat = checked_float_input(tensor, self.codec_id)
         base = checked_float_input(reference.to(tensor.device), self.codec_id)
         residual = (flat - base).reshape(spec.shape)
-        inner = self._inner.encode(residual)
+        inner = encode_inner(residual)
         decoded = inner.reconstruction if inner.reconstruction is not None else residual
         rebuilt = (base.reshape(spec.shape) + decoded.to(compute)).to(tensor.dtype)
         return Encoded(
@@ -82,16 +88,29 @@ class ResidualCodec(PreparedEncoding, Codec):
         spec: TensorSpec,
         reference: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
+        return self._decode_residual(
+            params, spec, reference,
+            lambda inner_params, residual_spec: self._inner.decode(streams, inner_params, residual_spec),
+        )
+
+    def _decode_residual(
+        self,
+        params: dict[str, Any],
+        spec: TensorSpec,
+        reference: Optional[torch.Tensor],
+        decode_inner: Callable[[dict[str, Any], TensorSpec], torch.Tensor],
+    ) -> torch.Tensor:
+        """``reference`` plus the residual ``decode_inner(inner params, residual spec)`` gives."""
         reference = matching_reference(spec, reference, "a residual")
         compute = require_float_spec(spec, self.codec_id)
         inner_params = params.get("inner")
         if not isinstance(inner_params, dict):
-            raise FormatError("residual: params lack the inner codec's params")
+            raise FormatError(f"{self.codec_id}: params lack the inner codec's params")
         if params.get("reference_crc32") != reference_checksum(reference):
             raise BrokenChainError(
                 "the reference tensor differs from the one this residual was taken against "
                 "(checksum mismatch): load it against the same previous checkpoint or base"
             )
-        residual = self._inner.decode(streams, inner_params, TensorSpec(compute, spec.shape))
+        residual = decode_inner(inner_params, TensorSpec(compute, spec.shape))
         base = reference.detach().to("cpu", compute)
         return (base + residual.to(compute)).to(spec.dtype)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import gc
 import json
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Optional
 
@@ -58,6 +59,7 @@ __all__ = [
     "unpack_header",
     "parse_header",
     "aligned",
+    "context_depths",
     "section_alignment",
     "data_start",
     "expansion_limit",
@@ -210,8 +212,9 @@ class TensorRecord:
     params: dict[str, Any]
     sections: tuple[Section, ...]
     reference: Optional[str]  # None, or the name of what a delta codec decodes against
-    #: None, or the index of another record of the file (itself without a context) whose
-    #: decoded tensor the codec also decodes with (``Codec.uses_context``)
+    #: None, or the index of another record of the file whose decoded tensor the codec also
+    #: decodes with (``Codec.uses_context``); chains of contexts end at a record without one
+    #: (:func:`context_depths`)
     context: Optional[int] = None
 
     @property
@@ -233,6 +236,38 @@ class Header:
 
 def _is_uint(value: Any) -> bool:
     return type(value) is int and value >= 0
+
+
+def context_depths(contexts: Sequence[Optional[int]]) -> list[int]:
+    """How many context records each record decodes after (0: it has no context), for the
+    ``context`` index of every record of a file (None: none).
+
+    A record's context is another record, which may have a context of its own: a chain
+    that ends at a record without one. A reader decodes the records of depth 0 first, then
+    those of depth 1, and so on.
+
+    Raises:
+        ValueError: a context is the record itself, no record of the file, or part of a cycle.
+    """
+    depths: list[Optional[int]] = [None] * len(contexts)
+    for start in range(len(contexts)):
+        path: list[int] = []
+        index: Optional[int] = start
+        while index is not None and depths[index] is None:
+            if index in path:
+                raise ValueError(f"record #{index}: its context chain runs in a circle")
+            path.append(index)
+            context = contexts[index]
+            if context is not None and not 0 <= context < len(contexts):
+                raise ValueError(f"record #{index}: its context #{context} is no record of the file")
+            if context == index:
+                raise ValueError(f"record #{index}: a record cannot be its own context")
+            index = context
+        depth = -1 if index is None else depths[index]
+        for index in reversed(path):
+            depth += 1  # type: ignore[operator]
+            depths[index] = depth
+    return depths  # type: ignore[return-value]
 
 
 def _nests_deeper(value: Any, limit: int) -> bool:
@@ -369,13 +404,10 @@ def parse_header(raw: bytes, source: str, version: int = FORMAT_VERSION) -> Head
     for index, item in enumerate(tensors):
         record, cursor = _parse_record(item, cursor, data_bytes, alignment, f"{source}: tensor #{index}")
         records.append(record)
-    for index, record in enumerate(records):
-        context = record.context
-        if context is not None and (context == index or context >= len(records) or records[context].context is not None):
-            raise FormatError(
-                f"{source}: tensor #{index}: its context must be another record without a context of "
-                f"its own, not #{context}"
-            )
+    try:
+        context_depths([record.context for record in records])
+    except ValueError as exc:
+        raise FormatError(f"{source}: tensor {exc}") from None
     if cursor != data_bytes:
         raise FormatError(f"{source}: the data region is {data_bytes} bytes but its sections end at {cursor}")
     try:

@@ -16,6 +16,7 @@ from .format import (
     PREAMBLE,
     aligned,
     check_expansion,
+    context_depths,
     data_start,
     pack_header,
     pack_preamble,
@@ -54,8 +55,8 @@ class ContainerWriter:
         context: Optional[int] = None,
     ) -> int:
         """Append one tensor's streams; returns the bytes stored for it. ``context``: the
-        index of another record (without a context of its own, added before or after this
-        one) its codec decodes with; :meth:`finish` checks that it exists.
+        index of another record (added before or after this one) its codec decodes with;
+        :meth:`finish` checks that it exists and that no chain of contexts runs in a circle.
 
         ``encoded.streams`` is iterated once, and each stream is written to the spool before
         the next is taken, so streams produced lazily (``ByteGroupingCodec.encode_lazily``)
@@ -64,14 +65,11 @@ class ContainerWriter:
         Raises:
             FormatError: the codec's output breaks a rule the reader enforces (it decodes
                 to more than the codec's ``max_expansion`` allows): a bug in the codec.
-            ValueError: ``context`` is this record, or an earlier record with a context of its
-                own.
+            ValueError: ``context`` is this record, or a negative index.
         """
         index = len(self._records)
-        if context is not None and not (
-            context >= 0 and context != index and (context > index or "context" not in self._records[context])
-        ):
-            raise ValueError(f"a record's context must be another record without one of its own, not #{context}")
+        if context is not None and not (context >= 0 and context != index):
+            raise ValueError(f"a record's context must be another record, not #{context}")
         start = self._cursor
         sections = []
         stored = 0
@@ -117,14 +115,9 @@ class ContainerWriter:
         Raises:
             UnsupportedStateError: the header would exceed the format's size limit (a state
                 with millions of plain values: store long lists of numbers as tensors).
-            ValueError: a record's context is not another record without a context.
+            ValueError: a record's context is no other record, or contexts run in a circle.
         """
-        for index, record in enumerate(self._records):
-            context = record.get("context")
-            if context is not None and (context >= len(self._records) or "context" in self._records[context]):
-                raise ValueError(
-                    f"record #{index}: its context #{context} is not another record without one of its own"
-                )
+        context_depths([record.get("context") for record in self._records])
         document = json.dumps(
             {
                 "format": "inshrinkerator",

@@ -77,7 +77,7 @@ from .dynaquant_search import Point, SearchRecord
 from .dynaquant_weights import PROXY_SCALE, WeightPlanning
 from .gradient_watch import GradientWatch
 from .lossless import Lossless
-from .state_layout import layout_of, optimizer_entry_name
+from .state_layout import TensorRole, layout_of, optimizer_entry_name
 
 __all__ = ["DynaQuant", "PROXY_SCALE", "SearchRecord"]
 
@@ -356,7 +356,8 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
         for index in _equal_to_reference(leaves, references, eligible):
             codecs[index] = UnchangedCodec()
             eligible[index] = False
-        weights = self._plan_weights(leaves, references, layout, eligible, codecs)
+        change_stats: dict[int, EntropyStats] = {}
+        weights = self._plan_weights(leaves, references, layout, eligible, codecs, change_stats)
         small_stats = self._plan_small_changes(leaves, references, layout, codecs, set(frozen))
         steps = self._steps_since_last_checkpoint(leaves, references)
         first_keep = self._keep_at(self.first_moment_keep, steps)
@@ -421,9 +422,12 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
         if weights is not None:
             self._store_changes_where_smaller(leaves, references, layout, codecs, weights, encoded)
             self._check_stored_weights(leaves, references, codecs, weights, encoded)
-            for stats in weights.stats.values():
-                self._memory.entropy.merge(stats)
-        for stats in small_stats.values():
+            change_stats.update(weights.stats)
+        # The weights' changes grouped by the sign of a moment kept whole at this save.
+        kept = ((TensorRole.FIRST_MOMENT, first_keep), (TensorRole.MOMENTUM_BUFFER, momentum_keep))
+        whole = {role for role, keep in kept if keep >= 1.0}
+        self._group_changes_by_first_moment(leaves, references, layout, codecs, encoded, change_stats, whole)
+        for stats in [*change_stats.values(), *small_stats.values()]:
             self._memory.entropy.merge(stats)
         return codecs
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -17,9 +17,11 @@ from ..codecs._parallel import parallel_map_sized
 from ..codecs.base import Encoded
 from ..codecs.bucket_delta import EntropyStats
 from ..codecs.dynaquant import DynaQuantCodec, DynaQuantDeltaCodec
+from ..codecs.dynaquant_context import SignGroupedResidualCodec
 from ..codecs.log_sketch import SIGNED_KEYS, signed_keys
 from ..codecs.lossy_input import all_finite, working_dtype
 from ..codecs.nonuniform_quantizer import fit_centroids_batch
+from ..codecs.octave_groups import GROUP_MIN_ELEMENTS
 from ..codecs.unchanged import UnchangedCodec
 from ..tree import TensorLeaf, format_key_path
 from .base import encoded_size, leaf_nbytes, usable_reference
@@ -153,6 +155,59 @@ class WeightPlanning:
                 codecs[index], encoded[index], weights.stats[index] = as_change[index], change, stats[index]
                 changed += 1
         weights.record.config["change_coded_tensors"] = changed
+
+    def _group_changes_by_first_moment(
+        self,
+        leaves: Sequence[TensorLeaf],
+        references: Sequence[Optional[torch.Tensor]],
+        layout: StateLayout,
+        codecs: list[Codec],
+        encoded: dict[int, Any],
+        stats: dict[int, EntropyStats],
+        whole: Collection[TensorRole],
+    ) -> None:
+        """A weight stored as its change (encoded in ``encoded``) is stored with its ids
+        grouped by the sign of its first moment (or momentum buffer) in the same checkpoint
+        where that is smaller (:class:`SignGroupedResidualCodec`); ``stats`` (weight index ->
+        the entropy figures of its encoding) follows the choice.
+
+        The optimizer moves a weight against the running average of its gradient, so the
+        change since the last checkpoint mostly has the opposite sign. Only where that
+        moment is stored whole (its role in ``whole``), not pruned: on the char GPT, whose
+        first moments keep 5 %, the grouping took 0.03 % off a run and added 7 % to each
+        save's time. The moment must be encoded by now (its reconstruction is what the
+        reader groups by).
+        """
+        candidates = []
+        for index, codec in enumerate(codecs):
+            if type(codec) is not ResidualCodec or index not in encoded or index not in stats:
+                continue
+            if leaves[index].tensor.numel() < 2 * GROUP_MIN_ELEMENTS:
+                continue  # one group only
+            moments = {role: i for role, i in layout.optimizer_state_of(index).items() if role in whole}
+            moment = moments.get(TensorRole.FIRST_MOMENT, moments.get(TensorRole.MOMENTUM_BUFFER))
+            if moment is None or leaves[moment].tensor.numel() != leaves[index].tensor.numel():
+                continue
+            prepared = getattr(codecs[moment], "prepared_result", None)
+            if prepared is None or prepared.reconstruction is None:
+                continue
+            candidates.append((index, moment, prepared.reconstruction))
+        if not candidates:
+            return
+
+        def grouped(item: tuple[int, int, torch.Tensor]) -> tuple[SignGroupedResidualCodec, Encoded, EntropyStats]:
+            index, moment, context = item
+            inner = codecs[index]._inner  # type: ignore[attr-defined]  # noqa: SLF001 - its levels, as hinted
+            figures = EntropyStats()
+            hinted = type(inner).from_config(inner.get_config())
+            hinted._hints = {**inner._hints, "stats": figures}  # noqa: SLF001 - the same hints, its own figures
+            codec = SignGroupedResidualCodec(hinted).against(format_key_path(leaves[moment].path))
+            return codec, codec.prepare(leaves[index].tensor, references[index], context), figures
+
+        tried = parallel_map_sized(grouped, candidates, [leaf_nbytes(leaves[i]) for i, _, _ in candidates])
+        for (index, _, _), (codec, result, figures) in zip(candidates, tried):
+            if encoded_size(result) < encoded_size(encoded[index]):
+                codecs[index], encoded[index], stats[index] = codec, result, figures
 
     def _check_stored_weights(
         self,
@@ -375,7 +430,10 @@ class WeightPlanning:
         layout: StateLayout,
         eligible: list[bool],
         codecs: list[Codec],
+        change_stats: dict[int, EntropyStats],
     ) -> Optional["_WeightPlan"]:
+        """The codec of each weight; ``change_stats`` gets the entropy figures of the weights
+        stored as their change because no levels of their own keep them within budget."""
         indices = [i for i in layout.indices(TensorRole.WEIGHT) if eligible[i]]
         if not indices:
             return None
@@ -449,7 +507,7 @@ class WeightPlanning:
             residual = [i for i in hard if i in moving]
             allowed = {i: cube.own_budget(i) for i in residual}
             coded = self._change_codecs(
-                leaves, references, layout, residual, trials, allowed, {i: self._memory.entropy for i in residual}
+                leaves, references, layout, residual, trials, allowed, {i: change_stats.setdefault(i, EntropyStats()) for i in residual}
             )
             for index, (levels, codec) in zip(residual, coded):
                 codecs[index] = codec
