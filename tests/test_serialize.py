@@ -263,3 +263,97 @@ def test_records_with_a_bad_context_are_refused() -> None:
     with pytest.raises(FormatError, match="(does not take|needs) a context"):
         with _reader(SCRIPT.forge_v2(forged, body)) as reader:
             read_state(reader)
+
+
+class _ChainedContexts:
+    """A policy: the weight stored as its change grouped by its first moment's sign, that
+    first moment per octave of the second moment: a chain of two contexts, each stored
+    after the record that needs it."""
+
+    name = "chained-test"
+
+    def plan_state(self, state, leaves, references):
+        from inshrinkerator.codecs import DynaQuantCodec, DynaQuantGroupedCodec, SignGroupedResidualCodec
+        from inshrinkerator.policies import Lossless
+        from inshrinkerator.tree import format_key_path
+
+        codecs = Lossless().plan(leaves, references)
+        for index, leaf in enumerate(leaves):
+            key = format_key_path(leaf.path)
+            if key == "model/w" and references[index] is not None:
+                codecs[index] = SignGroupedResidualCodec(DynaQuantCodec(bins=10)).against("optimizer/exp_avg")
+            elif key == "optimizer/exp_avg":
+                codecs[index] = DynaQuantGroupedCodec(bins=8).against("optimizer/exp_avg_sq")
+            elif key == "optimizer/exp_avg_sq":
+                codecs[index] = DynaQuantCodec(bins=8, domain="log")
+        return codecs
+
+
+def _adam_like(seed: int, weight: torch.Tensor) -> dict[str, Any]:
+    generator = torch.Generator().manual_seed(seed)
+    second = torch.exp2(2 * torch.randn(weight.shape, generator=generator) - 20)
+    first = torch.randn(weight.shape, generator=generator) * second.sqrt()
+    moved = weight - 1e-3 * first.sign() * torch.rand(weight.shape, generator=generator)
+    return {"model": {"w": moved}, "optimizer": {"exp_avg": first, "exp_avg_sq": second}}
+
+
+def test_contexts_may_chain_and_decode_in_order() -> None:
+    start = torch.randn(96, 64, generator=torch.Generator().manual_seed(5))
+    base = _adam_like(1, start)
+    out = io.BytesIO()
+    first = write_state(out, base, _ChainedContexts(), keep_reconstruction=True)
+    state = _adam_like(2, first.reconstruction["model/w"])
+    out = io.BytesIO()
+    written = write_state(out, state, _ChainedContexts(), references=first.reconstruction, keep_reconstruction=True)
+    with _reader(out.getvalue()) as reader:
+        keys = tensor_keys(reader)
+        weight, moment, second = (keys.index(k) for k in ("model/w", "optimizer/exp_avg", "optimizer/exp_avg_sq"))
+        records = reader.header.tensors
+        assert (records[weight].context, records[moment].context, records[second].context) == (moment, second, None)
+        assert weight < moment < second  # both contexts come after the records that need them
+        restored = reference_map(read_state(reader, first.reconstruction))
+        # Reading the weight alone decodes its whole chain of contexts.
+        part = read_tensors(reader, {"model/w"}, first.reconstruction)
+        assert referenced_keys(reader, among={"model/w"}) == {"model/w"}
+    assert set(part) == {"model/w", "optimizer/exp_avg", "optimizer/exp_avg_sq"}
+    for key, tensor in written.reconstruction.items():
+        assert_same(restored[key], tensor)
+        if key in part:
+            assert_same(part[key], tensor)
+
+
+def test_contexts_that_run_in_a_circle_are_refused_before_anything_is_written() -> None:
+    from inshrinkerator.codecs import DynaQuantGroupedCodec, DynaQuantMaskedCodec
+
+    class Circle:
+        name = "circle-test"
+
+        def plan_state(self, state, leaves, references):
+            from inshrinkerator.policies import Lossless
+            from inshrinkerator.tree import format_key_path
+
+            codecs = Lossless().plan(leaves, references)
+            for index, leaf in enumerate(leaves):
+                key = format_key_path(leaf.path)
+                if key == "optimizer/exp_avg":
+                    codecs[index] = DynaQuantGroupedCodec(bins=8).against("optimizer/exp_avg_sq")
+                elif key == "optimizer/exp_avg_sq":
+                    codecs[index] = DynaQuantMaskedCodec(bins=8, domain="log").against("optimizer/exp_avg")
+            return codecs
+
+    out = io.BytesIO()
+    with pytest.raises(ValueError, match="circle"):
+        write_state(out, _adam_like(1, torch.zeros(40, 30)), Circle())
+    assert out.getvalue() == b""
+
+
+def test_context_depths_count_the_chain_below_each_record() -> None:
+    from inshrinkerator.container.format import context_depths
+
+    assert context_depths([]) == []
+    assert context_depths([None, 0, 1, None, 2, 3]) == [0, 1, 2, 0, 3, 1]
+    assert context_depths([2, None, 1]) == [2, 0, 1]
+    for contexts, problem in (([0], "own context"), ([None, 5], "no record"), ([1, 0], "circle"),
+                              ([None, 2, 3, 1], "circle"), ([-1], "no record")):
+        with pytest.raises(ValueError, match=problem):
+            context_depths(contexts)

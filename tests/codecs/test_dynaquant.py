@@ -151,7 +151,8 @@ def test_config_round_trips_and_bad_options_are_refused() -> None:
 @pytest.mark.parametrize(
     "case",
     golden_cases("dynaquant") + golden_cases("dynaquant_delta")
-    + golden_cases("dynaquant_masked") + golden_cases("dynaquant_masked_delta") + golden_cases("dynaquant_grouped"),
+    + golden_cases("dynaquant_masked") + golden_cases("dynaquant_masked_delta") + golden_cases("dynaquant_grouped")
+    + golden_cases("residual_sign_grouped"),
     ids=lambda p: f"{p.parent.name}/{p.name}",
 )
 def test_golden_files_decode_and_encode_the_same(case) -> None:
@@ -163,7 +164,10 @@ def test_golden_files_decode_and_encode_the_same(case) -> None:
 
 
 def test_goldens_exist() -> None:
-    for codec_id in ("dynaquant", "dynaquant_delta", "dynaquant_masked", "dynaquant_masked_delta", "dynaquant_grouped"):
+    for codec_id in (
+        "dynaquant", "dynaquant_delta", "dynaquant_masked", "dynaquant_masked_delta", "dynaquant_grouped",
+        "residual_sign_grouped",
+    ):
         assert golden_cases(codec_id), codec_id
 
 

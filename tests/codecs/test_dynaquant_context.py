@@ -1,5 +1,6 @@
-"""The DynaQuant codecs with a context: masked (the context's zeros for free) and grouped
-(ids coded per octave of the context), and the octave groups themselves."""
+"""The DynaQuant codecs with a context: masked (the context's zeros for free), grouped
+(ids coded per octave of the context), the residual grouped by the context's sign, and
+the groups themselves."""
 
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ from inshrinkerator.codecs import (
     DynaQuantGroupedCodec,
     DynaQuantMaskedCodec,
     DynaQuantMaskedDeltaCodec,
+    ResidualCodec,
+    SignGroupedResidualCodec,
     TensorSpec,
     get_codec,
 )
 from inshrinkerator.codecs.entropy import order0_entropy_bits
-from inshrinkerator.codecs.octave_groups import GROUP_MIN_ELEMENTS, octave_groups
+from inshrinkerator.codecs.octave_groups import GROUP_MIN_ELEMENTS, octave_groups, sign_groups
 from inshrinkerator.errors import BrokenChainError, FormatError
 
 from .lossy_codec_checks import check_damaged_streams, same_bits
@@ -182,3 +185,96 @@ def test_a_grouped_codec_refuses_a_missing_or_mismatched_context() -> None:
     empty = torch.empty(0)
     nothing = codec.encode(empty, context=empty)
     assert codec.decode(nothing.streams, nothing.params, TensorSpec.of(empty), context=empty).numel() == 0
+
+
+def _change_against_first_moment(seed: int = 0, shape: tuple[int, int] = (96, 80)) -> tuple[torch.Tensor, ...]:
+    # A weight, the weight a few Adam steps later (moved mostly against its first moment's
+    # sign, with noise), and that first moment.
+    generator = torch.Generator().manual_seed(seed)
+    reference = torch.randn(shape, generator=generator) * 0.05
+    first = torch.randn(shape, generator=generator) * 1e-3
+    steps = torch.rand(shape, generator=generator) * 2e-4
+    weight = reference - first.sign() * steps + torch.randn(shape, generator=generator) * 5e-5
+    return weight, reference, first
+
+
+def _sign_key(values: torch.Tensor) -> torch.Tensor:
+    # 0 negative, 1 zero (-0.0 too), 2 positive, by the float32 sign bit (a NaN by its own).
+    bits = values.float().view(torch.int32)
+    zero = (bits & 0x7FFFFFFF) == 0
+    return torch.where(zero, 1, torch.where(bits < 0, 0, 2))
+
+
+def test_sign_groups_split_by_sign_and_merge_small_groups() -> None:
+    generator = torch.Generator().manual_seed(0)
+    values = torch.cat([-torch.rand(3000) - 0.1, torch.zeros(499), torch.tensor([-0.0, float("nan"), -float("nan")]),
+                        torch.rand(2000) + 0.1])
+    values = values[torch.randperm(values.numel(), generator=generator)]
+    groups = sign_groups(values)
+    order = groups.order()
+    assert sorted(order.tolist()) == list(range(values.numel()))
+    # -NaN with the negatives; the 500 zeros (under GROUP_MIN_ELEMENTS) join NaN and the positives.
+    assert groups.sizes == [3001, 2501]
+    key = _sign_key(values[order])
+    assert bool((key.diff() >= 0).all()) and int((key == 0).sum()) == 3001
+    assert sign_groups(torch.ones(10)).sizes == [10] and sign_groups(torch.empty(0)).sizes == []
+
+
+def test_a_sign_grouped_residual_stores_the_residual_s_values_in_fewer_bytes() -> None:
+    weight, reference, first = _change_against_first_moment()
+    plain = ResidualCodec(DynaQuantCodec(bins=10))
+    grouped = SignGroupedResidualCodec(DynaQuantCodec(bins=10)).against("optimizer/state/0/exp_avg")
+    assert grouped.context_key == "optimizer/state/0/exp_avg" and grouped.uses_context and grouped.uses_reference
+    alone = plain.encode(weight, reference)
+    stored = grouped.encode(weight, reference, context=first)
+    assert same_bits(stored.reconstruction, alone.reconstruction)  # the same levels and ids
+    decoded = grouped.decode(stored.streams, stored.params, TensorSpec.of(weight), reference, context=first)
+    assert same_bits(decoded, stored.reconstruction)
+    assert sum(map(len, stored.streams)) < 0.9 * sum(map(len, alone.streams))
+    # Signs unrelated to the change group nothing useful: about the plain size.
+    unrelated = grouped.encode(weight, reference, context=torch.randn(weight.shape, generator=torch.Generator().manual_seed(1)))
+    assert sum(map(len, unrelated.streams)) > 0.95 * sum(map(len, alone.streams))
+    assert get_codec(grouped.get_config()) == grouped
+    assert type(grouped.standalone()) is ResidualCodec and grouped.standalone().inner == grouped.inner
+
+
+def test_a_sign_grouped_residual_refuses_a_bad_context_reference_or_inner_codec() -> None:
+    weight, reference, first = _change_against_first_moment(3, (60, 50))
+    codec = SignGroupedResidualCodec({"id": "dynaquant", "bins": 8})
+    spec = TensorSpec.of(weight)
+    with pytest.raises(FormatError, match="not given"):
+        codec.encode(weight, reference)
+    stored = codec.encode(weight, reference, context=first)
+    with pytest.raises(FormatError, match="not given"):
+        codec.decode(stored.streams, stored.params, spec, reference)
+    with pytest.raises(FormatError, match="elements"):
+        codec.decode(stored.streams, stored.params, spec, reference, context=first.reshape(-1)[:-1])
+    # A context with zeros for half the entries makes two groups where one was stored: refused.
+    halved = torch.where(torch.arange(first.numel()).reshape(first.shape) % 2 == 0, 0.0, first)
+    with pytest.raises(FormatError):
+        codec.decode(stored.streams, stored.params, spec, reference, context=halved)
+    with pytest.raises(BrokenChainError):
+        codec.decode(stored.streams, stored.params, spec, None, context=first)
+    with pytest.raises(BrokenChainError):
+        codec.decode(stored.streams, stored.params, spec, reference * 2, context=first)
+    check_damaged_streams(codec, weight, reference, context=first)
+    for inner in ({"id": "dynaquant_delta", "bins": 8}, {"id": "kmeans_quantize", "bins": 8}, DynaQuantGroupedCodec(bins=8)):
+        with pytest.raises(ValueError):
+            SignGroupedResidualCodec(inner)
+
+
+def test_sign_groups_gather_and_scatter_are_inverse_and_match_a_stable_sort() -> None:
+    generator = torch.Generator().manual_seed(4)
+    for values in (torch.randn(5000, generator=generator), torch.zeros(3000), torch.empty(0),
+                   torch.where(torch.rand(4000, generator=generator) < 0.7, 0.0, torch.randn(4000, generator=generator))):
+        groups = sign_groups(values)
+        expected = torch.argsort(_sign_key(values), stable=True)
+        assert torch.equal(groups.order(), expected)
+        payload = torch.randint(0, 200, (values.numel(),), generator=generator, dtype=torch.int16)
+        gathered = groups.gather(payload)
+        assert torch.equal(gathered, payload[expected]) and sum(groups.sizes) == values.numel()
+        assert torch.equal(groups.scatter(gathered, torch.empty_like(payload)), payload)
+    weight = torch.empty(0)
+    codec = SignGroupedResidualCodec(DynaQuantCodec(bins=8))
+    nothing = codec.encode(weight, weight, context=weight)
+    assert codec.decode(nothing.streams, nothing.params, TensorSpec.of(weight), weight, context=weight).numel() == 0

@@ -13,7 +13,7 @@ from inshrinkerator.policies import DynaQuant
 from inshrinkerator.tree import flatten, format_key_path
 
 from ..helpers import encode_planned
-from .dynaquant_states import one_thread, train_steps, trained_states  # noqa: F401 - one_thread: autouse
+from .dynaquant_states import by_key, one_thread, train_steps, trained_states  # noqa: F401 - one_thread: autouse
 
 
 def test_user_evaluate_decides_and_tolerance_trades_size_for_quality() -> None:
@@ -254,11 +254,12 @@ def test_a_weight_that_moved_less_than_its_levels_can_hold_is_stored_as_its_quan
     reference = weight + 1e-3 * weight.std() * torch.randn(weight.shape, generator=generator)
     references[keys.index("model/3.weight")] = reference
     policy = DynaQuant()
-    codecs = dict(zip(keys, policy.plan(flat.tensors, references)))
-    codec = codecs["model/3.weight"]
+    planned = policy.plan(flat.tensors, references)
+    codec = planned[keys.index("model/3.weight")]
     assert isinstance(codec, ResidualCodec)
     assert policy.search_log[-1].config.get("residual_tensors", 1) == 1
-    restored = codec.encode(weight, reference).reconstruction
+    # (Its ids per sign of its first moment, which these 5 steps keep whole: a context.)
+    restored = encode_planned(flat.tensors, planned, references)[keys.index("model/3.weight")].reconstruction
     moved, error = float((weight - reference).pow(2).sum()), float((restored - weight).pow(2).sum())
     assert error <= 0.1 * moved
 
@@ -291,7 +292,9 @@ def test_changes_coded_on_one_level_count_get_the_levels_their_encode_would_fit_
     assert len(changes) == 3
     alone = ResidualCodec(DynaQuantCodec(bins=10, prune=0.0, protect=0.0, sigma=policy.sigma))
     for i in changes:
-        planned = codecs[i].encode(flat.tensors[i].tensor, references[i])
+        # (Coded per sign of a first moment kept whole; the same levels and ids alone.)
+        codec = codecs[i].standalone() if codecs[i].uses_context else codecs[i]  # type: ignore[attr-defined]
+        planned = codec.encode(flat.tensors[i].tensor, references[i])
         assert planned.streams == alone.encode(flat.tensors[i].tensor, references[i]).streams
 
 
@@ -304,8 +307,7 @@ def _moved_weight_coding(policy: DynaQuant, spread: float = 1e-3) -> tuple[dict,
     weight = flat.tensors[keys.index("model/3.weight")].tensor
     reference = weight + spread * weight.std() * torch.randn(weight.shape, generator=torch.Generator().manual_seed(3))
     references = [reference if key == "model/3.weight" else None for key in keys]
-    codec = dict(zip(keys, policy.plan(flat.tensors, references)))["model/3.weight"]
-    encoded = codec.encode(weight, reference)
+    encoded = encode_planned(flat.tensors, policy.plan(flat.tensors, references), references)[keys.index("model/3.weight")]
     error = float((encoded.reconstruction - weight).pow(2).sum()) / float((weight - reference).pow(2).sum())
     return policy.search_log[-1].config, error, sum(len(s) for s in encoded.streams)
 
@@ -647,3 +649,33 @@ def test_a_small_weight_holding_nan_or_inf_is_stored_exactly_at_a_delta(tmp_path
     manager.close()
     assert torch.equal(restored.isnan(), after["model"]["5.weight"].isnan())
     assert torch.equal(restored.nan_to_num(), after["model"]["5.weight"].nan_to_num())
+
+
+def test_a_change_is_coded_by_the_sign_of_a_first_moment_kept_whole(tmp_path, monkeypatch) -> None:
+    # Saves 5 steps apart keep the first moment whole; the weights stored as their change
+    # then code their ids per sign of it, in fewer bytes, and every step restores the same.
+    from inshrinkerator.codecs import ResidualCodec, SignGroupedResidualCodec
+    from inshrinkerator.store import CheckpointManager
+    import inshrinkerator.policies.dynaquant_weights as weights_module
+
+    from .dynaquant_states import codecs_and_bytes
+
+    _, states = trained_states(3)
+
+    def run(folder) -> tuple[dict[int, dict], list[dict[str, tuple[str, int]]]]:
+        manager = CheckpointManager(folder)
+        for step, state in enumerate(states):
+            manager.save(step, state)
+        files = [codecs_and_bytes(next(folder.glob(f"step-{step:010d}-*.ink"))) for step in range(3)]
+        return {step: by_key(manager.load(step)) for step in range(3)}, files
+
+    grouped, files = run(tmp_path / "grouped")
+    monkeypatch.setattr(weights_module.WeightPlanning, "_group_changes_by_first_moment", lambda *args, **kwargs: None)
+    plain, plain_files = run(tmp_path / "plain")
+    signed = [key for key, (codec, _) in files[2].items() if codec == SignGroupedResidualCodec.codec_id]
+    assert signed and all(key.startswith("model/") for key in signed)
+    assert all(plain_files[2][key][0] == ResidualCodec.codec_id for key in signed)
+    assert sum(files[2][key][1] for key in signed) < 0.97 * sum(plain_files[2][key][1] for key in signed)
+    for step in range(3):
+        for key, tensor in grouped[step].items():
+            assert torch.equal(tensor, plain[step][key]), (step, key)

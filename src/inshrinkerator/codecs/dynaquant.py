@@ -65,7 +65,7 @@ from .nonuniform_quantizer import (
     reconstruct,
     stick_to_predicted,
 )
-from .octave_groups import OctaveGroups
+from .octave_groups import ContextGroups
 from .prepared import PreparedEncoding
 from .registry import register_codec
 from .scratch import scratch
@@ -292,7 +292,7 @@ class DynaQuantCodec(PreparedEncoding, Codec):
         tensor: torch.Tensor,
         reference: Optional[torch.Tensor],
         zeros: Optional[torch.Tensor] = None,
-        groups: Optional[OctaveGroups] = None,
+        groups: Optional[ContextGroups] = None,
     ) -> Encoded:
         # zeros: a flat mask of entries stored as 0 that the decoder knows (not coded);
         # groups: octave_groups of a context, whose groups' ids are coded one stream each.
@@ -380,13 +380,13 @@ class DynaQuantCodec(PreparedEncoding, Codec):
     def encode(self, tensor: torch.Tensor, reference: Optional[torch.Tensor] = None) -> Encoded:
         return self._take_prepared(tensor, None) or self._encode(tensor, None)
 
-    def encode_in_groups(self, tensor: torch.Tensor, groups: OctaveGroups) -> Encoded:
+    def encode_in_groups(self, tensor: torch.Tensor, groups: ContextGroups) -> Encoded:
         """Encode with the ids coded one stream per group of ``groups`` (of a context the
         decoder has too, for :meth:`decode_in_groups`); levels and reconstruction as
         :meth:`encode`'s."""
         return self._encode(tensor, None, groups=groups)
 
-    def decode_in_groups(self, streams: Sequence[Any], spec: TensorSpec, groups: OctaveGroups) -> torch.Tensor:
+    def decode_in_groups(self, streams: Sequence[Any], spec: TensorSpec, groups: ContextGroups) -> torch.Tensor:
         """Inverse of :meth:`encode_in_groups`."""
         return self._decode(streams, spec, None, groups=groups)
 
@@ -398,7 +398,7 @@ class DynaQuantCodec(PreparedEncoding, Codec):
         spec: TensorSpec,
         reference: Optional[torch.Tensor],
         zeros: Optional[torch.Tensor] = None,
-        groups: Optional[OctaveGroups] = None,
+        groups: Optional[ContextGroups] = None,
     ) -> torch.Tensor:
         if len(streams) != 1:
             raise CorruptCheckpointError(f"{self.codec_id}: expected 1 stream, got {len(streams)}")
@@ -466,7 +466,7 @@ class DynaQuantCodec(PreparedEncoding, Codec):
         return reconstruct(ids, table, protected, spec.dtype, spec.shape, positions)
 
     def _decode_groups(
-        self, view: memoryview, start: int, levels: int, spec: TensorSpec, groups: OctaveGroups
+        self, view: memoryview, start: int, levels: int, spec: TensorSpec, groups: ContextGroups
     ) -> torch.Tensor:
         sizes = groups.sizes
         streams = []

@@ -363,12 +363,17 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
         first_keep = self._keep_at(self.first_moment_keep, steps)
         momentum_keep = self._keep_at(self.momentum_keep, steps)
         choices = self._plan_moments(leaves, references, layout, eligible, codecs, first_keep, momentum_keep, betas)
+        # The weights stored as their change, coded per sign of a moment kept whole at this
+        # save, are encoded after their moments (their context).
+        kept = ((TensorRole.FIRST_MOMENT, first_keep), (TensorRole.MOMENTUM_BUFFER, momentum_keep))
+        whole = {role for role, keep in kept if keep >= 1.0}
+        grouped = self._changes_to_group(leaves, layout, codecs, whole)
         # Encode now (the large tensors in parallel): the writer's encode calls then return at
         # once, and the stored weights' real error (stickiness included) can be checked
         # against the budget.
         prepared = [
             (i, codecs[i]) for i in range(len(leaves))
-            if isinstance(codecs[i], PreparedEncoding) and not codecs[i].uses_context
+            if isinstance(codecs[i], PreparedEncoding) and not codecs[i].uses_context and i not in grouped
         ]
         # A tensor planned to read another's reconstruction (a first moment per octave of its
         # second moment) is encoded right after that one, by the same thread: no thread waits
@@ -423,10 +428,9 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
             self._store_changes_where_smaller(leaves, references, layout, codecs, weights, encoded)
             self._check_stored_weights(leaves, references, codecs, weights, encoded)
             change_stats.update(weights.stats)
-        # The weights' changes grouped by the sign of a moment kept whole at this save.
-        kept = ((TensorRole.FIRST_MOMENT, first_keep), (TensorRole.MOMENTUM_BUFFER, momentum_keep))
-        whole = {role for role, keep in kept if keep >= 1.0}
-        self._group_changes_by_first_moment(leaves, references, layout, codecs, encoded, change_stats, whole)
+        # A weight that became its change above (it crossed many cells) may be grouped too.
+        grouped.update(self._changes_to_group(leaves, layout, codecs, whole))
+        self._group_changes_by_first_moment(leaves, references, codecs, encoded, change_stats, grouped)
         for stats in [*change_stats.values(), *small_stats.values()]:
             self._memory.entropy.merge(stats)
         return codecs

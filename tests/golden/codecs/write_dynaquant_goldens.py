@@ -5,7 +5,7 @@
 Same layout as the baseline codecs' goldens: each case folder holds ``case.json``
 (codec config, params, dtype, shape, stream file names), the streams, the input, the
 reference (delta cases), the context (masked cases: the tensor whose zeros the case
-shares; grouped cases: the tensor whose octaves group the ids) and the expected decoded
+shares; grouped cases: the tensor whose octaves, or signs, group the ids) and the expected decoded
 tensor, as raw little-endian bytes.
 Existing cases are kept unless ``--overwrite`` is given: a changed encoding must be a
 deliberate format change, never a silent regeneration.
@@ -40,6 +40,7 @@ from inshrinkerator.codecs import (
     DynaQuantGroupedCodec,
     DynaQuantMaskedCodec,
     DynaQuantMaskedDeltaCodec,
+    SignGroupedResidualCodec,
 )
 from inshrinkerator.codecs.bucket_delta import encode_bucket_ids
 from inshrinkerator.codecs.dynaquant import even_level_values
@@ -87,6 +88,11 @@ def _cases() -> list[tuple[str, Codec, torch.Tensor, Optional[torch.Tensor], Opt
     # step alone: the codec's config cannot say so, so this case is decoded, not re-encoded.
     levels = even_level_values(float(torch.tensor(1.5e-3, dtype=torch.float32)), 6)
     even = DynaQuantCodec(bins=12).with_hints(centroids=torch.cat([levels[:6], levels[7:]]))
+    # A weight moved mostly against the sign of its first moment (the context), as Adam
+    # moves it, stored as its change since the reference.
+    weights = _weights((48, 64), 12)
+    signs = torch.randn((48, 64), generator=torch.Generator().manual_seed(13)) * 1e-3
+    moved = (weights.double() - signs.sign().double() * 2e-4 + _update(torch.zeros(48, 64), 14, 5e-5).double()).float()
     return [
         ("dynaquant/float32_bins12_prune_protect", full, base, None, None),
         ("dynaquant/float32_non_finite", DynaQuantCodec(bins=4, protect=0.01), special, None, None),
@@ -106,6 +112,8 @@ def _cases() -> list[tuple[str, Codec, torch.Tensor, Optional[torch.Tensor], Opt
         ("dynaquant_grouped/float32_by_octave",
          DynaQuantGroupedCodec(bins=8, protect=0.005), follows, None, spread),
         ("dynaquant/even_levels_float32", even, _update(base, 5, 2e-3) - base, None, None),
+        ("residual_sign_grouped/float32_against_first_moment",
+         SignGroupedResidualCodec(DynaQuantCodec(bins=10)), moved, weights, signs),
     ]
 
 
