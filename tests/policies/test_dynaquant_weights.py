@@ -651,27 +651,27 @@ def test_a_small_weight_holding_nan_or_inf_is_stored_exactly_at_a_delta(tmp_path
     assert torch.equal(restored.nan_to_num(), after["model"]["5.weight"].nan_to_num())
 
 
-def test_a_change_is_coded_by_the_sign_of_a_first_moment_kept_whole(tmp_path, monkeypatch) -> None:
-    # Saves 5 steps apart keep the first moment whole; the weights stored as their change
-    # then code their ids per sign of it, in fewer bytes, and every step restores the same.
+def test_sign_grouped_changes_code_a_change_by_the_sign_of_a_first_moment_kept_whole(tmp_path) -> None:
+    # Saves 5 steps apart keep the first moment whole; with sign_grouped_changes the weights
+    # stored as their change code their ids per sign of it, in fewer bytes, and every step
+    # restores the same as without.
     from inshrinkerator.codecs import ResidualCodec, SignGroupedResidualCodec
     from inshrinkerator.store import CheckpointManager
-    import inshrinkerator.policies.dynaquant_weights as weights_module
 
     from .dynaquant_states import codecs_and_bytes
 
     _, states = trained_states(3)
 
-    def run(folder) -> tuple[dict[int, dict], list[dict[str, tuple[str, int]]]]:
-        manager = CheckpointManager(folder)
+    def run(folder, policy: DynaQuant) -> tuple[dict[int, dict], list[dict[str, tuple[str, int]]]]:
+        manager = CheckpointManager(folder, policy=policy)
         for step, state in enumerate(states):
             manager.save(step, state)
         files = [codecs_and_bytes(next(folder.glob(f"step-{step:010d}-*.ink"))) for step in range(3)]
-        return {step: by_key(manager.load(step)) for step in range(3)}, files
+        return {step: by_key(CheckpointManager(folder).load(step)) for step in range(3)}, files
 
-    grouped, files = run(tmp_path / "grouped")
-    monkeypatch.setattr(weights_module.WeightPlanning, "_group_changes_by_first_moment", lambda *args, **kwargs: None)
-    plain, plain_files = run(tmp_path / "plain")
+    grouped, files = run(tmp_path / "grouped", DynaQuant(sign_grouped_changes=True))
+    plain, plain_files = run(tmp_path / "plain", DynaQuant())
+    assert not any(codec == SignGroupedResidualCodec.codec_id for step in plain_files for codec, _ in step.values())
     signed = [key for key, (codec, _) in files[2].items() if codec == SignGroupedResidualCodec.codec_id]
     assert signed and all(key.startswith("model/") for key in signed)
     assert all(plain_files[2][key][0] == ResidualCodec.codec_id for key in signed)
