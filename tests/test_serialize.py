@@ -265,28 +265,38 @@ def test_records_with_a_bad_context_are_refused() -> None:
             read_state(reader)
 
 
-class _ChainedContexts:
-    """A policy: the weight stored as its change grouped by its first moment's sign, that
-    first moment per octave of the second moment: a chain of two contexts, each stored
-    after the record that needs it."""
+class _ByKey:
+    """A policy: lossless but for the tensors whose key ``planned`` names (key -> a function
+    of the tensor's reference that gives its codec, or None to keep it lossless)."""
 
-    name = "chained-test"
+    def __init__(self, name: str, planned: dict[str, Any]) -> None:
+        self.name = name
+        self.planned = planned
 
     def plan_state(self, state, leaves, references):
-        from inshrinkerator.codecs import DynaQuantCodec, DynaQuantGroupedCodec, SignGroupedResidualCodec
         from inshrinkerator.policies import Lossless
         from inshrinkerator.tree import format_key_path
 
         codecs = Lossless().plan(leaves, references)
         for index, leaf in enumerate(leaves):
-            key = format_key_path(leaf.path)
-            if key == "model/w" and references[index] is not None:
-                codecs[index] = SignGroupedResidualCodec(DynaQuantCodec(bins=10)).against("optimizer/exp_avg")
-            elif key == "optimizer/exp_avg":
-                codecs[index] = DynaQuantGroupedCodec(bins=8).against("optimizer/exp_avg_sq")
-            elif key == "optimizer/exp_avg_sq":
-                codecs[index] = DynaQuantCodec(bins=8, domain="log")
+            make = self.planned.get(format_key_path(leaf.path))
+            codec = make(references[index]) if make is not None else None
+            if codec is not None:
+                codecs[index] = codec
         return codecs
+
+
+def _chained_contexts() -> _ByKey:
+    # The weight stored as its change grouped by its first moment's sign, that first moment
+    # per octave of the second moment: a chain of two contexts, each stored after the
+    # record that needs it.
+    from inshrinkerator.codecs import DynaQuantCodec, DynaQuantGroupedCodec, SignGroupedResidualCodec
+
+    return _ByKey("chained-test", {
+        "model/w": lambda reference: None if reference is None else SignGroupedResidualCodec(DynaQuantCodec(bins=10)).against("optimizer/exp_avg"),
+        "optimizer/exp_avg": lambda _: DynaQuantGroupedCodec(bins=8).against("optimizer/exp_avg_sq"),
+        "optimizer/exp_avg_sq": lambda _: DynaQuantCodec(bins=8, domain="log"),
+    })
 
 
 def _adam_like(seed: int, weight: torch.Tensor) -> dict[str, Any]:
@@ -301,10 +311,10 @@ def test_contexts_may_chain_and_decode_in_order() -> None:
     start = torch.randn(96, 64, generator=torch.Generator().manual_seed(5))
     base = _adam_like(1, start)
     out = io.BytesIO()
-    first = write_state(out, base, _ChainedContexts(), keep_reconstruction=True)
+    first = write_state(out, base, _chained_contexts(), keep_reconstruction=True)
     state = _adam_like(2, first.reconstruction["model/w"])
     out = io.BytesIO()
-    written = write_state(out, state, _ChainedContexts(), references=first.reconstruction, keep_reconstruction=True)
+    written = write_state(out, state, _chained_contexts(), references=first.reconstruction, keep_reconstruction=True)
     with _reader(out.getvalue()) as reader:
         keys = tensor_keys(reader)
         weight, moment, second = (keys.index(k) for k in ("model/w", "optimizer/exp_avg", "optimizer/exp_avg_sq"))
@@ -325,25 +335,13 @@ def test_contexts_may_chain_and_decode_in_order() -> None:
 def test_contexts_that_run_in_a_circle_are_refused_before_anything_is_written() -> None:
     from inshrinkerator.codecs import DynaQuantGroupedCodec, DynaQuantMaskedCodec
 
-    class Circle:
-        name = "circle-test"
-
-        def plan_state(self, state, leaves, references):
-            from inshrinkerator.policies import Lossless
-            from inshrinkerator.tree import format_key_path
-
-            codecs = Lossless().plan(leaves, references)
-            for index, leaf in enumerate(leaves):
-                key = format_key_path(leaf.path)
-                if key == "optimizer/exp_avg":
-                    codecs[index] = DynaQuantGroupedCodec(bins=8).against("optimizer/exp_avg_sq")
-                elif key == "optimizer/exp_avg_sq":
-                    codecs[index] = DynaQuantMaskedCodec(bins=8, domain="log").against("optimizer/exp_avg")
-            return codecs
-
+    circle = _ByKey("circle-test", {
+        "optimizer/exp_avg": lambda _: DynaQuantGroupedCodec(bins=8).against("optimizer/exp_avg_sq"),
+        "optimizer/exp_avg_sq": lambda _: DynaQuantMaskedCodec(bins=8, domain="log").against("optimizer/exp_avg"),
+    })
     out = io.BytesIO()
     with pytest.raises(ValueError, match="circle"):
-        write_state(out, _adam_like(1, torch.zeros(40, 30)), Circle())
+        write_state(out, _adam_like(1, torch.zeros(40, 30)), circle)
     assert out.getvalue() == b""
 
 

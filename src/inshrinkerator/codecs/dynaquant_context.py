@@ -2,7 +2,9 @@
 ``DynaQuantMaskedCodec`` and ``DynaQuantMaskedDeltaCodec`` code only the entries where the
 context (a first moment, for its second moment) is non-zero; ``DynaQuantGroupedCodec``
 codes its ids in one stream per octave of the context (a second moment, for its first
-moment). Their streams are :class:`~.dynaquant.DynaQuantCodec`'s (see its module)."""
+moment); ``SignGroupedResidualCodec`` codes a weight's change since the reference in one
+id stream per sign of the context (its first moment). Their streams are
+:class:`~.dynaquant.DynaQuantCodec`'s (see its module)."""
 
 from __future__ import annotations
 
@@ -179,9 +181,9 @@ class SignGroupedResidualCodec(_ContextKey, ResidualCodec):
         prepared = self._take_prepared(tensor, reference, context)
         if prepared is not None:
             return prepared
-        spec = TensorSpec.of(tensor)
-        groups = sign_groups(self._context(spec, context))
-        return self._encode_residual(tensor, reference, lambda residual: self._inner.encode_in_groups(residual, groups))  # type: ignore[attr-defined]
+        groups = sign_groups(self._context(TensorSpec.of(tensor), context))
+        inner: DynaQuantCodec = self._inner  # type: ignore[assignment]
+        return self._encode_residual(tensor, reference, lambda residual: inner.encode_in_groups(residual, groups))
 
     def decode(
         self,
@@ -192,7 +194,7 @@ class SignGroupedResidualCodec(_ContextKey, ResidualCodec):
         context: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         groups = sign_groups(self._context(spec, context))
+        inner: DynaQuantCodec = self._inner  # type: ignore[assignment]
         return self._decode_residual(
-            params, spec, reference,
-            lambda inner_params, residual_spec: self._inner.decode_in_groups(streams, residual_spec, groups),  # type: ignore[attr-defined]
+            params, spec, reference, lambda _, residual_spec: inner.decode_in_groups(streams, residual_spec, groups)
         )

@@ -527,9 +527,8 @@ class WeightPlanning:
             hard = [i for i, ok in zip(indices, cube.within_own_budgets(indices, origin, MAGNITUDE)) if not ok]
             residual = [i for i in hard if i in moving]
             allowed = {i: cube.own_budget(i) for i in residual}
-            coded = self._change_codecs(
-                leaves, references, layout, residual, trials, allowed, {i: change_stats.setdefault(i, EntropyStats()) for i in residual}
-            )
+            figures = {i: change_stats.setdefault(i, EntropyStats()) for i in residual}
+            coded = self._change_codecs(leaves, references, layout, residual, trials, allowed, figures)
             for index, (levels, codec) in zip(residual, coded):
                 codecs[index] = codec
                 residual_levels[levels] = residual_levels.get(levels, 0) + 1
