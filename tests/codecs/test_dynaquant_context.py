@@ -36,6 +36,20 @@ def _masked_moment(seed: int = 0, shape: tuple[int, int] = (96, 80)) -> tuple[to
     return moment, previous, first
 
 
+def _stored_refusing_a_missing_or_short_context(codec, tensor, reference, context):
+    """``codec``'s encoding of ``tensor`` with ``context``, after checking that encoding or
+    decoding without the context, or decoding with one element short, is a FormatError."""
+    spec = TensorSpec.of(tensor)
+    with pytest.raises(FormatError, match="not given"):
+        codec.encode(tensor, reference)
+    stored = codec.encode(tensor, reference, context=context)
+    with pytest.raises(FormatError, match="not given"):
+        codec.decode(stored.streams, stored.params, spec, reference)
+    with pytest.raises(FormatError, match="elements"):
+        codec.decode(stored.streams, stored.params, spec, reference, context=context.reshape(-1)[:-1])
+    return stored
+
+
 @pytest.mark.parametrize("delta", [False, True])
 def test_a_masked_codec_stores_the_context_s_zeros_for_free(delta: bool) -> None:
     moment, previous, first = _masked_moment()
@@ -67,13 +81,7 @@ def test_a_masked_codec_refuses_a_missing_or_mismatched_context() -> None:
     for codec, reference in ((DynaQuantMaskedCodec(bins=8, domain="log"), None),
                              (DynaQuantMaskedDeltaCodec(bins=8, domain="log"), previous)):
         spec = TensorSpec.of(moment)
-        with pytest.raises(FormatError, match="not given"):
-            codec.encode(moment, reference)
-        stored = codec.encode(moment, reference, context=first)
-        with pytest.raises(FormatError, match="not given"):
-            codec.decode(stored.streams, stored.params, spec, reference)
-        with pytest.raises(FormatError, match="elements"):
-            codec.decode(stored.streams, stored.params, spec, reference, context=first.reshape(-1)[:-1])
+        stored = _stored_refusing_a_missing_or_short_context(codec, moment, reference, first)
         # Another context with other zeros holds another number of coded ids: refused.
         other = torch.where(first == 0, 1.0, 0.0)
         with pytest.raises(FormatError):
@@ -168,13 +176,7 @@ def test_a_grouped_codec_refuses_a_missing_or_mismatched_context() -> None:
     first, second = _moments_by_octave(3, (60, 50))
     codec = DynaQuantGroupedCodec(bins=8)
     spec = TensorSpec.of(first)
-    with pytest.raises(FormatError, match="not given"):
-        codec.encode(first)
-    stored = codec.encode(first, context=second)
-    with pytest.raises(FormatError, match="not given"):
-        codec.decode(stored.streams, stored.params, spec)
-    with pytest.raises(FormatError, match="elements"):
-        codec.decode(stored.streams, stored.params, spec, context=second.reshape(-1)[:-1])
+    stored = _stored_refusing_a_missing_or_short_context(codec, first, None, second)
     # Another context puts other numbers of ids in the groups: refused.
     with pytest.raises(FormatError):
         codec.decode(stored.streams, stored.params, spec, context=torch.ones(spec.shape))
@@ -242,13 +244,7 @@ def test_a_sign_grouped_residual_refuses_a_bad_context_reference_or_inner_codec(
     weight, reference, first = _change_against_first_moment(3, (60, 50))
     codec = SignGroupedResidualCodec({"id": "dynaquant", "bins": 8})
     spec = TensorSpec.of(weight)
-    with pytest.raises(FormatError, match="not given"):
-        codec.encode(weight, reference)
-    stored = codec.encode(weight, reference, context=first)
-    with pytest.raises(FormatError, match="not given"):
-        codec.decode(stored.streams, stored.params, spec, reference)
-    with pytest.raises(FormatError, match="elements"):
-        codec.decode(stored.streams, stored.params, spec, reference, context=first.reshape(-1)[:-1])
+    stored = _stored_refusing_a_missing_or_short_context(codec, weight, reference, first)
     # A context with zeros for half the entries makes two groups where one was stored: refused.
     halved = torch.where(torch.arange(first.numel()).reshape(first.shape) % 2 == 0, 0.0, first)
     with pytest.raises(FormatError):
