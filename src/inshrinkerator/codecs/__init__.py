@@ -20,6 +20,7 @@ from .dynaquant_context import (
     SignGroupedResidualCodec,
 )
 from .factored_moment import FactoredMomentCodec
+from .low_rank import LowRankResidualCodec
 from .unchanged import UnchangedCodec
 
 __all__ = [
@@ -50,5 +51,6 @@ __all__ = [
     "DynaQuantMaskedDeltaCodec",
     "SignGroupedResidualCodec",
     "FactoredMomentCodec",
+    "LowRankResidualCodec",
     "UnchangedCodec",
 ]

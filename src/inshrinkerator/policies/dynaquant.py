@@ -219,6 +219,12 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
             1.03 s) and its saves ran at 98 instead of 141 MB/s
             (docs/dynaquant-measurements.md, *The weights' changes by the first moment's
             sign*).
+        low_rank_changes: store a weight matrix's change (where it is stored as its change,
+            on ``residual_error``'s levels) as a product of two small-integer factors of rank 1-32
+            plus what the product leaves, where that is estimated to take fewer bytes
+            (``residual_low_rank``): between close checkpoints such a change is close to low
+            rank, so the same levels code what is left in fewer bits at the same error
+            (docs/dynaquant-measurements.md, *Changes as a low-rank product*).
         residual_error: a weight stored as its change since the reference (one that
             moved less than its own levels' spacing, or crossed many of them) is rounded
             to evenly spaced levels ``sqrt(12 * residual_error)`` times the change's RMS
@@ -269,6 +275,7 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
     joint_moment_mask: bool = True
     first_moment_octaves: bool = True
     sign_grouped_changes: bool = False
+    low_rank_changes: bool = True
     residual_bins: tuple[int, ...] = (10,)
     residual_error: Optional[float] = 0.03
     min_numel: int = 1024
@@ -294,7 +301,7 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
             _check_number("first_moment_error", self.first_moment_error, 1e-9, 1.0)
         _check_number("sigma", self.sigma, 0.0, 1.0)
         _check_number("stickiness", self.stickiness, 0.0, 4.0)
-        for knob in ("precision_only_grows", "joint_moment_mask", "first_moment_octaves", "sign_grouped_changes"):
+        for knob in ("precision_only_grows", "joint_moment_mask", "first_moment_octaves", "sign_grouped_changes", "low_rank_changes"):
             if not isinstance(getattr(self, knob), bool):
                 raise ValueError(f"{knob} must be a bool, got {getattr(self, knob)!r}")
         _check_number("first_moment_keep", self.first_moment_keep, 0.0, 1.0)

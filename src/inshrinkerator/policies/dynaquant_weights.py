@@ -18,6 +18,7 @@ from ..codecs.base import Encoded
 from ..codecs.bucket_delta import EntropyStats
 from ..codecs.dynaquant import DynaQuantCodec, DynaQuantDeltaCodec
 from ..codecs.dynaquant_context import SignGroupedResidualCodec
+from ..codecs.low_rank import MIN_SIDE, LowRankFactors, LowRankResidualCodec, choose_low_rank, matrix_shape
 from ..codecs.log_sketch import SIGNED_KEYS, signed_keys
 from ..codecs.lossy_input import all_finite, working_dtype
 from ..codecs.nonuniform_quantizer import fit_centroids_batch
@@ -26,7 +27,7 @@ from ..codecs.unchanged import UnchangedCodec
 from ..tree import TensorLeaf, format_key_path
 from .base import encoded_size, leaf_nbytes, usable_reference
 from .dynaquant_search import ConfigurationCube, Point, SearchRecord
-from .even_levels import even_levels, spread
+from .even_levels import even_levels, even_step, spread
 from .quantization_trials import MAGNITUDE, TrialConfig, WeightTrial
 from .state_layout import StateLayout, TensorRole
 
@@ -73,6 +74,7 @@ class WeightPlanning:
     residual_bins: tuple[int, ...]
     residual_error: Optional[float]
     sign_grouped_changes: bool
+    low_rank_changes: bool
     min_numel: int
     small_min_numel: int
     _memory: _Memory
@@ -325,14 +327,24 @@ class WeightPlanning:
         inner = DynaQuantCodec(bins=bins, prune=0.0, protect=0.0, sigma=self.sigma)
         # No keys hint: the encode computes the change's keys again (one cheap pass), so the
         # keys of every change are not held at once until the encodes.
-        summaries = parallel_map_sized(lambda i: _change_summary(leaves[i].tensor, references[i]), indices, sizes)
         if self.residual_error is not None:
-            coded = []
-            for index, (histogram, rms, largest) in zip(indices, summaries):
-                centroids, prune_below = even_levels(rms, largest, self.residual_error)
+            error = self.residual_error
+            factored = self.low_rank_changes
+            plans = parallel_map_sized(
+                lambda i: _change_plan(leaves[i].tensor, references[i], error, factored), indices, sizes
+            )
+            coded: list[tuple[int, ResidualCodec]] = []
+            for index, (histogram, rms, largest, factors) in zip(indices, plans):
+                # The levels' spacing follows the change; with factors, the levels reach as
+                # far as what their product leaves.
+                centroids, prune_below = even_levels(rms, largest, error)
                 hinted = inner.with_hints(counts=histogram, centroids=centroids, prune_below=prune_below, stats=stats[index])
-                coded.append((centroids.numel(), ResidualCodec(hinted)))
+                if factors is None:
+                    coded.append((centroids.numel(), ResidualCodec(hinted)))
+                else:
+                    coded.append((centroids.numel(), LowRankResidualCodec(hinted, factors.rank).with_factors(factors)))
             return coded
+        summaries = parallel_map_sized(lambda i: _change_summary(leaves[i].tensor, references[i]), indices, sizes)
         counts = [histogram for histogram, _, _ in summaries]
         levels = fit_centroids_batch([inner.centroid_fit(histogram) for histogram in counts])
         return [
@@ -680,6 +692,27 @@ class _WeightPlan:
             weighted = float(torch.dot(difference * trial.weights, difference))
             error = max(error, weighted / max(trial.total, 1e-300))
         return error
+
+
+def _change_plan(
+    tensor: torch.Tensor, reference: Optional[torch.Tensor], error: float, factored: bool
+) -> tuple[torch.Tensor, float, float, Optional[LowRankFactors]]:
+    """``(histogram, rms, largest, factors)`` of ``tensor - reference`` as it is stored on
+    levels losing ``error`` of its squared size: with ``factored``, a matrix's change may be
+    a low-rank product (``factors``) plus what it leaves, which the histogram and the
+    largest magnitude then describe; ``rms`` is always the change's own."""
+    compute = working_dtype(tensor.dtype)
+    change = tensor.detach().reshape(-1).to(compute) - reference.detach().to(tensor.device).reshape(-1).to(compute)  # type: ignore[union-attr]
+    rms, largest = spread(change)
+    factors = None
+    shape = matrix_shape(tensor.shape)
+    if factored and shape is not None and min(shape) >= MIN_SIDE and rms > 0 and math.isfinite(largest):
+        factors = choose_low_rank(change.reshape(shape), even_step(rms, error))
+        if factors is not None:
+            # Exactly what LowRankResidualCodec leaves to its inner codec.
+            change = change - factors.product(compute, change.device).reshape(-1)
+            _, largest = spread(change)
+    return torch.bincount(signed_keys(change), minlength=SIGNED_KEYS).cpu(), rms, largest, factors
 
 
 def _change_summary(tensor: torch.Tensor, reference: Optional[torch.Tensor]) -> tuple[torch.Tensor, float, float]:

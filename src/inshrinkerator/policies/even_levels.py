@@ -10,7 +10,7 @@ import torch
 from ..codecs.dynaquant import even_level_values
 from ..codecs.log_sketch import magnitude_keys
 
-__all__ = ["MAX_EVEN_LEVELS", "even_levels", "spread"]
+__all__ = ["MAX_EVEN_LEVELS", "even_levels", "even_step", "spread"]
 
 #: The most evenly spaced levels on each side of 0 (the id coder holds 4,096 ids: these,
 #: the zero level and the protect id); a value reaching further is rounded to the last.
@@ -33,12 +33,17 @@ def even_levels(rms: float, largest: float, error: float) -> tuple[torch.Tensor,
         return torch.tensor([-1.0, 1.0]), 1  # every value is 0: any levels do
     # A float32 step: the stream then stores the step alone, and the reader rebuilds these
     # very levels from it (codecs.dynaquant.even_level_values).
-    step = max(float(torch.tensor(rms * math.sqrt(12.0 * error), dtype=torch.float32)), torch.finfo(torch.float32).tiny)
+    step = even_step(rms, error)
     count = max(1, min(MAX_EVEN_LEVELS, math.floor(largest / step + 0.5)))
     levels = even_level_values(step, count)
     centroids = torch.cat([levels[:count], levels[count + 1:]])
     prune_below = max(int(magnitude_keys(torch.tensor([step / 2], dtype=torch.float32))[0]), 1)
     return centroids, prune_below
+
+
+def even_step(rms: float, error: float) -> float:
+    """The float32 spacing of :func:`even_levels`: ``rms * sqrt(12 * error)``."""
+    return max(float(torch.tensor(rms * math.sqrt(12.0 * error), dtype=torch.float32)), torch.finfo(torch.float32).tiny)
 
 
 def spread(values: torch.Tensor) -> tuple[float, float]:

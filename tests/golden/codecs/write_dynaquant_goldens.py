@@ -40,6 +40,7 @@ from inshrinkerator.codecs import (
     DynaQuantGroupedCodec,
     DynaQuantMaskedCodec,
     DynaQuantMaskedDeltaCodec,
+    LowRankResidualCodec,
     SignGroupedResidualCodec,
 )
 from inshrinkerator.codecs.bucket_delta import encode_bucket_ids
@@ -93,6 +94,13 @@ def _cases() -> list[tuple[str, Codec, torch.Tensor, Optional[torch.Tensor], Opt
     weights = _weights((48, 64), 12)
     signs = torch.randn((48, 64), generator=torch.Generator().manual_seed(13)) * 1e-3
     moved = (weights.double() - signs.sign().double() * 2e-4 + _update(torch.zeros(48, 64), 14, 5e-5).double()).float()
+    # A weight matrix moved mostly along two directions, stored as its change: a rank-2
+    # product of integer factors plus what it leaves.
+    matrix = _weights((40, 56), 15)
+    directions = torch.randn((40, 2), generator=torch.Generator().manual_seed(16)) @ torch.randn(
+        (2, 56), generator=torch.Generator().manual_seed(17)
+    )
+    turned = (matrix.double() + directions.double() * 1e-3 + _update(torch.zeros(40, 56), 18, 1e-4).double()).float()
     return [
         ("dynaquant/float32_bins12_prune_protect", full, base, None, None),
         ("dynaquant/float32_non_finite", DynaQuantCodec(bins=4, protect=0.01), special, None, None),
@@ -114,6 +122,7 @@ def _cases() -> list[tuple[str, Codec, torch.Tensor, Optional[torch.Tensor], Opt
         ("dynaquant/even_levels_float32", even, _update(base, 5, 2e-3) - base, None, None),
         ("residual_sign_grouped/float32_against_first_moment",
          SignGroupedResidualCodec(DynaQuantCodec(bins=10)), moved, weights, signs),
+        ("residual_low_rank/float32_rank2", LowRankResidualCodec(DynaQuantCodec(bins=10), rank=2), turned, matrix, None),
     ]
 
 

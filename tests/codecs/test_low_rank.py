@@ -1,0 +1,214 @@
+"""LowRankResidualCodec: a change as a low-rank product of integer factors plus what it leaves."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Optional
+
+import numpy as np
+import pytest
+import torch
+
+from inshrinkerator.codecs import DynaQuantCodec, LowRankResidualCodec, ResidualCodec, TensorSpec, get_codec
+from inshrinkerator.codecs.entropy import encode_symbols
+from inshrinkerator.codecs.low_rank import (
+    FACTOR_LEVELS,
+    MAX_RANK,
+    LowRankFactors,
+    choose_low_rank,
+    low_rank_factors,
+    matrix_shape,
+)
+from inshrinkerator.errors import BrokenChainError, FormatError
+from inshrinkerator.policies.even_levels import even_levels, spread
+
+from .lossy_codec_checks import (
+    chain_errors,
+    check_damaged_streams,
+    check_golden,
+    encode_decode,
+    golden_cases,
+    same_bits,
+)
+
+
+def _moved(shape: tuple[int, ...], rank: int, seed: int, noise: float = 2e-4) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights, reference)``: a change of about this rank plus some noise, as training makes."""
+    generator = torch.Generator().manual_seed(seed)
+    rows, cols = matrix_shape(shape)  # type: ignore[misc]
+    reference = torch.randn(shape, generator=generator) * 0.05
+    product = torch.randn(rows, rank, generator=generator) @ torch.randn(rank, cols, generator=generator) * 1e-3
+    change = product.reshape(shape) + torch.randn(shape, generator=generator) * noise
+    return reference + change, reference
+
+
+def _even_inner(change: torch.Tensor, leftover: Optional[torch.Tensor] = None, error: float = 0.03) -> DynaQuantCodec:
+    """The inner codec the policy gives a change: evenly spaced levels losing ``error`` of
+    it, reaching as far as ``leftover`` (what a product leaves of it) where given."""
+    rms, largest = spread(change.reshape(-1))
+    if leftover is not None:
+        largest = spread(leftover.reshape(-1))[1]
+    centroids, prune_below = even_levels(rms, largest, error)
+    return DynaQuantCodec(bins=10, prune=0.0, protect=0.0).with_hints(centroids=centroids, prune_below=prune_below)
+
+
+@pytest.mark.parametrize(
+    "dtype,shape",
+    [(torch.float32, (48, 80)), (torch.float64, (40, 64)), (torch.bfloat16, (32, 48)), (torch.float16, (32, 48)),
+     (torch.float32, (32, 16, 3, 3))],
+    ids=str,
+)
+def test_decodes_to_the_encoders_reconstruction_bit_for_bit(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    tensor, reference = _moved(shape, 3, seed=1)
+    codec = LowRankResidualCodec(DynaQuantCodec(bins=10), rank=4)
+    decoded = encode_decode(codec, tensor.to(dtype), reference.to(dtype))
+    change = (tensor.to(dtype).double() - reference.to(dtype).double())
+    error = (decoded.double() - tensor.to(dtype).double()).pow(2).sum() / change.pow(2).sum()
+    assert float(error) < 0.05
+
+
+def test_the_product_is_exact_integer_arithmetic_on_any_path() -> None:
+    tensor, reference = _moved((64, 96), 5, seed=2)
+    factors = low_rank_factors((tensor - reference).double(), 5)
+    assert factors.left.dtype == torch.int8 and int(factors.left.abs().max()) <= FACTOR_LEVELS
+    integers = factors.left.double() @ factors.right.double().T  # float64: exact for these sizes
+    scale = torch.tensor(factors.left_scale, dtype=torch.float32) * torch.tensor(factors.right_scale, dtype=torch.float32)
+    assert same_bits(factors.product(torch.float32), integers.float() * scale)
+    # Summed in any order the float32 product is the same: every partial sum is an integer.
+    reversed_order = factors.left.flip(1).float() @ factors.right.flip(1).float().T
+    assert same_bits(reversed_order * scale, factors.product(torch.float32))
+
+
+def test_a_low_rank_change_takes_fewer_bytes_at_the_same_error() -> None:
+    tensor, reference = _moved((96, 160), 6, seed=3)
+    change = tensor - reference
+    inner = _even_inner(change)
+    plain = ResidualCodec(inner).encode(tensor, reference)
+    factors = choose_low_rank(change, float(torch.tensor(float(change.pow(2).mean().sqrt()) * math.sqrt(0.36))))
+    assert factors is not None and factors.rank >= 4
+    leftover = change - factors.product(torch.float32)
+    # The levels keep the change's spacing; they reach as far as what the product leaves.
+    low = LowRankResidualCodec(_even_inner(change, leftover), factors.rank).with_factors(factors)
+    encoded = low.encode(tensor, reference)
+    size = sum(len(bytes(s)) for s in encoded.streams)
+    plain_size = sum(len(bytes(s)) for s in plain.streams)
+    assert size < 0.8 * plain_size
+    error = float((encoded.reconstruction - tensor).pow(2).sum() / change.pow(2).sum())
+    plain_error = float((plain.reconstruction - tensor).pow(2).sum() / change.pow(2).sum())
+    assert 0.02 < plain_error < 0.04 and error < 1.2 * plain_error
+
+
+def test_no_rank_is_chosen_for_a_change_without_structure() -> None:
+    generator = torch.Generator().manual_seed(4)
+    noise = torch.randn(128, 256, generator=generator) * 1e-3
+    assert choose_low_rank(noise, 0.6e-3) is None
+    assert choose_low_rank(torch.zeros(64, 64), 1e-3) is None
+    assert choose_low_rank(noise[:8], 0.6e-3) is None  # too few rows for any rank
+    assert choose_low_rank(noise, float("nan")) is None
+
+
+def test_encoding_leaves_the_callers_random_state_alone() -> None:
+    tensor, reference = _moved((64, 64), 4, seed=5)
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    LowRankResidualCodec(DynaQuantCodec(bins=10), rank=4).encode(tensor, reference)
+    choose_low_rank(tensor - reference, 1e-4)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_a_closed_loop_chain_does_not_drift() -> None:
+    generator = torch.Generator().manual_seed(6)
+    state = torch.randn(64, 96, generator=generator) * 0.05
+    direction = torch.randn(64, 2, generator=generator) @ torch.randn(2, 96, generator=generator)
+    states = [state]
+    for _ in range(10):
+        state = state + direction * 1e-3 + torch.randn(64, 96, generator=generator) * 1e-4
+        states.append(state)
+    codec = LowRankResidualCodec(DynaQuantCodec(bins=10), rank=2)
+    closed = chain_errors(codec, states)
+    # Each step's error is its own rounding only: the tenth is no worse than the first few.
+    assert max(closed[5:]) < 2 * max(closed[:5])
+
+
+def test_config_round_trip_and_refusals() -> None:
+    codec = LowRankResidualCodec(DynaQuantCodec(bins=10).get_config(), rank=8)
+    assert get_codec(json.loads(json.dumps(codec.get_config()))) == codec
+    assert codec.get_config()["rank"] == 8
+    for rank in (0, MAX_RANK + 1, True, 2.0):
+        with pytest.raises(ValueError, match="rank"):
+            LowRankResidualCodec(DynaQuantCodec(bins=10), rank=rank)  # type: ignore[arg-type]
+    with pytest.raises(FormatError):
+        get_codec({"id": "residual_low_rank", "inner": {"id": "dynaquant"}, "rank": -1})
+    tensor, reference = _moved((8, 8), 1, seed=7)
+    with pytest.raises(ValueError, match="rank-16"):
+        LowRankResidualCodec(DynaQuantCodec(bins=10), rank=16).encode(tensor, reference)
+    with pytest.raises(ValueError, match="shape"):
+        LowRankResidualCodec(DynaQuantCodec(bins=10), rank=1).encode(tensor[0], reference[0])
+    with pytest.raises(ValueError, match="rank"):
+        LowRankResidualCodec(DynaQuantCodec(bins=10), rank=2).with_factors(low_rank_factors(tensor - reference, 1))
+
+
+def test_wrong_or_missing_reference() -> None:
+    tensor, reference = _moved((32, 40), 2, seed=8)
+    codec = LowRankResidualCodec(DynaQuantCodec(bins=10), rank=2)
+    encoded = codec.encode(tensor, reference)
+    spec = TensorSpec.of(tensor)
+    with pytest.raises(BrokenChainError, match="checksum"):
+        codec.decode(encoded.streams, encoded.params, spec, reference * 2)
+    with pytest.raises(BrokenChainError, match="missing"):
+        codec.decode(encoded.streams, encoded.params, spec, None)
+    with pytest.raises(FormatError, match="rank-2"):
+        codec.decode(encoded.streams, encoded.params, TensorSpec(torch.float32, (1, 1280)), reference.reshape(1, 1280))
+
+
+def test_bad_input_and_damaged_streams() -> None:
+    tensor, reference = _moved((32, 40), 2, seed=9)
+    codec = LowRankResidualCodec(DynaQuantCodec(bins=10), rank=2)
+    check_damaged_streams(codec, tensor, reference, mutate_params=lambda p: p.pop("inner"))
+    encoded = codec.encode(tensor, reference)
+    spec = TensorSpec.of(tensor)
+    rest = list(encoded.streams[1:])
+
+    def factor_stream(scales: tuple[float, float], symbols: torch.Tensor, alphabet: int) -> bytes:
+        return np.array(scales, dtype="<f4").tobytes() + encode_symbols(symbols, alphabet)
+
+    good = torch.full((2 * (32 + 40),), FACTOR_LEVELS)
+    for scales in ((float("nan"), 1.0), (1.0, 0.0), (-1.0, 1.0), (float("inf"), 1.0)):
+        with pytest.raises(FormatError, match="scale"):
+            codec.decode([factor_stream(scales, good, 31), *rest], encoded.params, spec, reference)
+    wide = good.clone()
+    wide[3] = 40  # an entry beyond +-15, in a stream whose alphabet allows it
+    with pytest.raises(FormatError, match="outside"):
+        codec.decode([factor_stream((1.0, 1.0), wide, 64), *rest], encoded.params, spec, reference)
+    with pytest.raises(FormatError):  # factors of another rank
+        codec.decode([factor_stream((1.0, 1.0), good[:-1], 31), *rest], encoded.params, spec, reference)
+    with pytest.raises(FormatError):
+        codec.decode([], encoded.params, spec, reference)
+    with pytest.raises(FormatError, match="scales"):
+        codec.decode([b"\x00" * 4, *rest], encoded.params, spec, reference)
+
+
+def test_factors_survive_their_byte_form() -> None:
+    tensor, reference = _moved((40, 24), 3, seed=10)
+    factors = low_rank_factors(tensor - reference, 3)
+    again = LowRankFactors.from_bytes(factors.to_bytes(), 40, 24, 3)
+    assert torch.equal(again.left, factors.left) and torch.equal(again.right, factors.right)
+    assert (again.left_scale, again.right_scale) == (factors.left_scale, factors.right_scale)
+    assert same_bits(again.product(torch.float32), factors.product(torch.float32))
+
+
+def test_matrix_shape() -> None:
+    assert matrix_shape((5,)) is None
+    assert matrix_shape(()) is None
+    assert matrix_shape((4, 6)) == (4, 6)
+    assert matrix_shape((8, 3, 3, 3)) == (8, 27)
+
+
+@pytest.mark.parametrize("case", golden_cases("residual_low_rank"), ids=lambda p: p.name)
+def test_golden(case) -> None:
+    check_golden(case)
+
+
+def test_goldens_exist() -> None:
+    assert len(golden_cases("residual_low_rank")) >= 1
