@@ -51,3 +51,11 @@ def test_sgd_vs_adam_check_compares_the_two_digits_runs() -> None:
     rows = [_row("digits-cnn", "lc-checkpoint", 20, deg=0.2), _row("digits-cnn-sgd", "lc-checkpoint", 20, deg=3.0)]
     (check,) = [c for c in paper_checks(rows) if "SGD" in c["claim"]]
     assert check["holds"] is True and "+2.80" in check["evidence"]
+
+
+def test_dynaquant_check_holds_only_inside_the_papers_range() -> None:
+    rows = [_row("digits-cnn", "dynaquant", 21.2, deg=0.3), _row("stdlib-char-gpt", "dynaquant", 27.0, deg=0.3),
+            _row("minilm-docstrings", "dynaquant", 30.0, deg=1.5)]
+    checks = {c["claim"].rsplit("(", 1)[1].rstrip(")"): c for c in paper_checks(rows) if c["baseline"] == "dynaquant"}
+    assert "(26-39x)" in checks["digits-cnn"]["claim"]
+    assert [checks[w]["holds"] for w in ("digits-cnn", "stdlib-char-gpt", "minilm-docstrings")] == [False, True, False]
