@@ -218,7 +218,9 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
             of every step of its chain (MiniLM's 10-deep restore took 1.60 s instead of
             1.03 s) and its saves ran at 98 instead of 141 MB/s
             (docs/dynaquant-measurements.md, *The weights' changes by the first moment's
-            sign*).
+            sign*). A change stored as a low-rank product (``low_rank_changes``) is not
+            grouped: with both on, MiniLM's changes are nearly all products and the option
+            saves almost nothing (337 bytes of a 38.2 MB run).
         low_rank_changes: store a weight matrix's change (where it is stored as its change,
             on ``residual_error``'s levels) as a product of two small-integer factors of rank 1-32
             plus what the product leaves, where that is estimated to take fewer bytes
