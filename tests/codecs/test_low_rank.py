@@ -10,7 +10,15 @@ import numpy as np
 import pytest
 import torch
 
-from inshrinkerator.codecs import DynaQuantCodec, LowRankResidualCodec, ResidualCodec, TensorSpec, get_codec
+from inshrinkerator.codecs import (
+    DynaQuantCodec,
+    DynaQuantGroupedCodec,
+    GroupedLowRankCodec,
+    LowRankResidualCodec,
+    ResidualCodec,
+    TensorSpec,
+    get_codec,
+)
 from inshrinkerator.codecs.entropy import encode_symbols
 from inshrinkerator.codecs.low_rank import (
     FACTOR_LEVELS,
@@ -212,3 +220,68 @@ def test_golden(case) -> None:
 
 def test_goldens_exist() -> None:
     assert len(golden_cases("residual_low_rank")) >= 1
+
+
+def _moments_of_few_directions(seed: int, shape: tuple[int, int] = (64, 96)) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(first, second)``: a first moment mostly along three directions, scaled per entry
+    like ``sqrt`` of its second moment (as Adam's are), and that second moment."""
+    generator = torch.Generator().manual_seed(seed)
+    second = torch.exp2(torch.randn(shape, generator=generator) * 2 - 20)
+    first = torch.randn(shape[0], 3, generator=generator) @ torch.randn(3, shape[1], generator=generator) * 1e-4
+    first = first + torch.randn(shape, generator=generator) * second.sqrt() * 0.03
+    return first, second
+
+
+def _grouped_even(values: torch.Tensor, leftover: Optional[torch.Tensor] = None, error: float = 0.08) -> DynaQuantGroupedCodec:
+    rms, largest = spread(values.reshape(-1))
+    if leftover is not None:
+        largest = spread(leftover.reshape(-1))[1]
+    centroids, prune_below = even_levels(rms, largest, error)
+    return DynaQuantGroupedCodec(bins=8, prune=0.0, protect=0.0).with_hints(centroids=centroids, prune_below=prune_below)
+
+
+def test_a_grouped_low_rank_codec_round_trips_with_its_context_in_fewer_bytes() -> None:
+    first, second = _moments_of_few_directions(11)
+    factors = choose_low_rank(first, float(torch.tensor(float(first.pow(2).mean().sqrt()) * math.sqrt(12 * 0.08))))
+    assert factors is not None
+    leftover = first - factors.product(torch.float32)
+    codec = GroupedLowRankCodec(_grouped_even(first, leftover), factors.rank).with_factors(factors).against("m/v")
+    assert codec.uses_context and codec.context_key == "m/v" and not codec.uses_reference
+    encoded = codec.encode(first, context=second)
+    spec = TensorSpec.of(first)
+    decoded = codec.decode(encoded.streams, json.loads(json.dumps(encoded.params)), spec, context=second)
+    assert same_bits(decoded, encoded.reconstruction)
+    again = get_codec(json.loads(json.dumps(codec.get_config())))
+    assert same_bits(again.decode(encoded.streams, encoded.params, spec, context=second), decoded)
+    plain = _grouped_even(first).encode(first, context=second)
+    assert sum(len(bytes(s)) for s in encoded.streams) < 0.8 * sum(len(bytes(s)) for s in plain.streams)
+    error = float((decoded - first).pow(2).sum() / first.pow(2).sum())
+    plain_error = float((plain.reconstruction - first).pow(2).sum() / first.pow(2).sum())
+    assert 0.05 < plain_error < 0.11 and error < 1.2 * plain_error
+
+
+def test_a_grouped_low_rank_codec_refuses_bad_inner_context_and_streams() -> None:
+    first, second = _moments_of_few_directions(12, (40, 48))
+    with pytest.raises(ValueError, match="dynaquant_grouped"):
+        GroupedLowRankCodec(DynaQuantCodec(bins=8), rank=2)
+    with pytest.raises(FormatError):
+        get_codec({"id": "dynaquant_grouped_low_rank", "inner": {"id": "dynaquant", "bins": 8}, "rank": 2})
+    codec = GroupedLowRankCodec(_grouped_even(first), rank=2)
+    encoded = codec.encode(first, context=second)
+    spec = TensorSpec.of(first)
+    with pytest.raises(FormatError, match="not given"):
+        codec.decode(encoded.streams, encoded.params, spec)
+    with pytest.raises(FormatError, match="elements"):
+        codec.decode(encoded.streams, encoded.params, spec, context=second[:10])
+    with pytest.raises(ValueError, match="shape"):
+        codec.encode(first[0], context=second[0])
+    check_damaged_streams(codec, first, context=second, mutate_params=lambda p: p.pop("inner"))
+
+
+@pytest.mark.parametrize("case", golden_cases("dynaquant_grouped_low_rank"), ids=lambda p: p.name)
+def test_grouped_golden(case) -> None:
+    check_golden(case)
+
+
+def test_grouped_goldens_exist() -> None:
+    assert len(golden_cases("dynaquant_grouped_low_rank")) >= 1

@@ -65,3 +65,12 @@ def codecs_and_bytes(path) -> dict[str, tuple[str, int]]:
             format_key_path(paths[i]): (record.codec["id"], record.stored_bytes)
             for i, record in enumerate(reader.header.tensors)
         }
+
+
+def level_count(codec) -> int:
+    """The levels a planned DynaQuant codec quantizes to (a low-rank codec's: its inner
+    codec's, which rounds what the product leaves)."""
+    from inshrinkerator.codecs import get_codec
+
+    inner = getattr(codec, "inner", None)
+    return get_codec(inner).bins if isinstance(inner, dict) else codec.bins

@@ -12,7 +12,7 @@ from inshrinkerator.policies import DynaQuant, resolve_policy
 from inshrinkerator.tree import flatten, format_key_path
 
 from ..helpers import assert_same
-from .dynaquant_states import by_key, codecs_and_bytes, one_thread, train_steps, trained_states  # noqa: F401 - one_thread: autouse
+from .dynaquant_states import by_key, codecs_and_bytes, level_count, one_thread, train_steps, trained_states  # noqa: F401 - one_thread: autouse
 
 
 def test_knobs_are_checked() -> None:
@@ -38,7 +38,8 @@ def test_each_tensor_gets_the_codec_of_its_role() -> None:
     factored = DynaQuant(second_moment="factored").plan(flat.tensors, [None] * len(flat.tensors))
     paths = [format_key_path(leaf.path) for leaf in flat.tensors]
     assert isinstance(factored[paths.index("optimizer/state/2/exp_avg_sq")], FactoredMomentCodec)
-    assert by_path["optimizer/state/2/exp_avg"].bins == policy.moment_bins
+    # A whole first moment (5 steps in) may be a low-rank product plus what it leaves.
+    assert level_count(by_path["optimizer/state/2/exp_avg"]) == policy.moment_bins
     assert by_path["model/0.bias"].lossless  # small tensors stay exact
     assert all(codec.lossless for path, codec in by_path.items() if path.endswith("/step"))
 

@@ -14,7 +14,15 @@ from inshrinkerator.policies import DynaQuant
 from inshrinkerator.tree import flatten, format_key_path
 
 from ..helpers import assert_same
-from .dynaquant_states import by_key, codecs_and_bytes, one_thread, small_model, train_steps, trained_states  # noqa: F401 - one_thread: autouse
+from .dynaquant_states import (  # noqa: F401 - one_thread: autouse
+    by_key,
+    codecs_and_bytes,
+    level_count,
+    one_thread,
+    small_model,
+    train_steps,
+    trained_states,
+)
 
 
 def test_the_moments_of_small_weights_are_quantized_but_not_the_weights() -> None:
@@ -31,7 +39,7 @@ def test_the_moments_of_small_weights_are_quantized_but_not_the_weights() -> Non
     exact = dict(zip(paths, DynaQuant(moment_min_numel=1024).plan(flat.tensors, [None] * len(flat.tensors))))
     assert exact["optimizer/state/4/exp_avg"].lossless and exact["optimizer/state/4/exp_avg_sq"].lossless
     # their bytes are mostly the record and the level table: twice the levels cost little
-    assert by_path["optimizer/state/4/exp_avg"].bins == 2 * by_path["optimizer/state/2/exp_avg"].bins
+    assert by_path["optimizer/state/4/exp_avg"].bins == 2 * level_count(by_path["optimizer/state/2/exp_avg"])
     assert by_path["optimizer/state/4/exp_avg_sq"].bins == 2 * by_path["optimizer/state/2/exp_avg_sq"].bins
 
 
@@ -408,7 +416,7 @@ def test_adam_first_moments_and_sgd_momentum_get_their_own_level_counts() -> Non
         for bins in (4, 8):
             codecs = DynaQuant(**{knob: bins}).plan(leaves, [None] * len(leaves))
             planned = dict(zip((format_key_path(leaf.path) for leaf in leaves), codecs))
-            assert planned[f"optimizer/state/2/{key}"].bins == bins
+            assert level_count(planned[f"optimizer/state/2/{key}"]) == bins
     defaults = DynaQuant()
     assert (defaults.moment_bins, defaults.momentum_bins) == (8, 4)
     with pytest.raises(ValueError, match="momentum_bins"):
@@ -533,3 +541,45 @@ def test_by_default_a_pruned_first_moment_keeps_five_per_cent(tmp_path) -> None:
     ink.save(state, tmp_path / "m.ink", policy=DynaQuant(first_moment_keep_after=0))
     kept = ink.load(tmp_path / "m.ink")["optimizer"]["state"][2]["exp_avg"] != 0
     assert 0.03 < float(kept.float().mean()) < 0.065
+
+
+def test_a_whole_first_moment_of_few_directions_is_stored_as_a_product(tmp_path) -> None:
+    # Saves 5 steps apart keep the first moment whole, coded per octave of the second
+    # moment. One whose matrix holds few directions (as a fine-tune's do) is stored as a
+    # low-rank product plus what it leaves, on the same levels: fewer bytes, about the same
+    # error, and a fresh manager restores it.
+    from inshrinkerator.codecs import GroupedLowRankCodec
+    from inshrinkerator.store import CheckpointManager
+
+    _, states = trained_states(3)
+    key = "optimizer/state/2/exp_avg"
+    moment = states[2]["optimizer"]["state"][2]["exp_avg"]
+    generator = torch.Generator().manual_seed(0)
+    directions = torch.randn(moment.shape[0], 3, generator=generator) @ torch.randn(3, moment.shape[1], generator=generator)
+    states[2]["optimizer"]["state"][2]["exp_avg"] = directions * float(moment.std()) + moment * 0.05
+    truth = by_key(states[2])[key]
+
+    def run(folder, policy: DynaQuant) -> tuple[dict, dict[str, tuple[str, int]]]:
+        manager = CheckpointManager(folder, policy=policy)
+        for step, state in enumerate(states):
+            manager.save(step, state)
+        manager.close()
+        return by_key(CheckpointManager(folder).load(2)), codecs_and_bytes(next(folder.glob("step-0000000002-*.ink")))
+
+    factored, files = run(tmp_path / "factored", DynaQuant())
+    plain, plain_files = run(tmp_path / "plain", DynaQuant(low_rank_first_moments=False))
+    assert files[key][0] == GroupedLowRankCodec.codec_id
+    assert plain_files[key][0] == DynaQuantGroupedCodec.codec_id
+    assert files[key][1] < 0.5 * plain_files[key][1]
+    error = float((factored[key] - truth).pow(2).sum() / truth.pow(2).sum())
+    plain_error = float((plain[key] - truth).pow(2).sum() / truth.pow(2).sum())
+    assert error < 0.12 and error < 1.5 * plain_error
+    # The other first moments (no such structure) stay as they were.
+    assert all(
+        codec != GroupedLowRankCodec.codec_id for name, (codec, _) in files.items() if name != key
+    )
+
+
+def test_low_rank_first_moments_must_be_a_bool() -> None:
+    with pytest.raises(ValueError, match="low_rank_first_moments"):
+        DynaQuant(low_rank_first_moments="yes")  # type: ignore[arg-type]

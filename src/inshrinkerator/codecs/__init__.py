@@ -20,7 +20,7 @@ from .dynaquant_context import (
     SignGroupedResidualCodec,
 )
 from .factored_moment import FactoredMomentCodec
-from .low_rank import LowRankResidualCodec
+from .low_rank import GroupedLowRankCodec, LowRankResidualCodec
 from .unchanged import UnchangedCodec
 
 __all__ = [
@@ -51,6 +51,7 @@ __all__ = [
     "DynaQuantMaskedDeltaCodec",
     "SignGroupedResidualCodec",
     "FactoredMomentCodec",
+    "GroupedLowRankCodec",
     "LowRankResidualCodec",
     "UnchangedCodec",
 ]

@@ -1,5 +1,7 @@
 """A weight's change since the reference as a low-rank product plus what it leaves:
-:class:`LowRankResidualCodec` (``residual_low_rank``).
+:class:`LowRankResidualCodec` (``residual_low_rank``); and a first moment so, what it
+leaves coded per octave of its second moment: :class:`GroupedLowRankCodec`
+(``dynaquant_grouped_low_rank``).
 
 Between close checkpoints the change of a weight matrix is close to low rank: its
 gradient steps are sums of outer products of layer inputs and output gradients, and
@@ -19,7 +21,8 @@ Stream 0 holds the factors: the two scales (float32, little-endian), then one en
 symbol stream (:func:`~.entropy.encode_symbols`, symbol = integer + 15) of the left factor
 (``rows x rank``, row-major) followed by the right factor (``cols x rank``). A tensor of
 shape ``(d0, d1, ...)`` is the matrix ``d0 x (d1 * ...)``. The other streams are the inner
-codec's, of ``change - product``.
+codec's, of ``change - product`` (of ``tensor - product`` for the grouped codec, whose inner
+codec is a ``dynaquant_grouped`` reading the same context).
 """
 
 from __future__ import annotations
@@ -34,13 +37,16 @@ import torch
 
 from ..errors import BrokenChainError, FormatError
 from .base import Codec, Encoded, TensorSpec, matching_reference
+from .dynaquant_context import DynaQuantGroupedCodec, _ContextKey
 from .entropy import decode_symbols, encode_symbols
 from .lossy_input import checked_float_input, require_float_spec, working_dtype
-from .registry import register_codec
+from .prepared import PreparedEncoding
+from .registry import get_codec, register_codec
 from .residual import ResidualCodec
 from .xor_delta import reference_checksum
 
 __all__ = [
+    "GroupedLowRankCodec",
     "MAX_RANK",
     "LowRankFactors",
     "LowRankResidualCodec",
@@ -66,10 +72,6 @@ MIN_SIDE = 16
 _CHECK_SAMPLES = 1 << 16
 #: What the factor stream adds to its entries' entropy (scales, header, count table), about.
 _STREAM_BITS = 8 * 64
-#: The share of the change's estimated bits the factors must save: the real coder codes a
-#: change a little below its order-0 entropy, and what a product leaves a little less so
-#: (a 32 x 512 change, order-0 7 % smaller with a rank-1 product, took 2 % more bytes).
-_MARGIN = 0.05
 
 
 def matrix_shape(shape: Sequence[int]) -> Optional[tuple[int, int]]:
@@ -177,13 +179,16 @@ def _rounded_entropy_bits(sigma: torch.Tensor) -> torch.Tensor:
     return -(torch.where(p > 0, p * torch.log2(p), torch.zeros_like(p))).sum(dim=1)
 
 
-def choose_low_rank(matrix: torch.Tensor, step: float) -> Optional[LowRankFactors]:
+def choose_low_rank(matrix: torch.Tensor, step: float, margin: float = 0.05) -> Optional[LowRankFactors]:
     """The factors whose product leaves the fewest bits to code ``matrix`` (a change) with
     on levels ``step`` apart, counting the factors' own bytes; None where no rank pays.
 
     The ranks are weighed on the singular values (each rank's leftover energy taken as a
     Gaussian rounded to the levels); the chosen one is then checked on the real leftover
-    against the change itself, by the order-0 entropy of their rounded values.
+    against the change itself, by the order-0 entropy of their rounded values: the
+    factors must save ``margin`` of the change's bits (the real coder codes a change a
+    little below its order-0 entropy, and what a product leaves a little less so: a 32 x
+    512 change, order-0 7 % smaller with a rank-1 product, took 2 % more bytes).
     """
     rows, cols = matrix.shape
     ranks = [r for r in CANDIDATE_RANKS if r <= min(rows, cols) // 4]
@@ -213,7 +218,7 @@ def choose_low_rank(matrix: torch.Tensor, step: float) -> Optional[LowRankFactor
     scale = count / sample.numel()
     plain = scale * _order0_bits(sample / step)
     with_factors = scale * _order0_bits(leftover / step) + _order0_bits(factors.symbols().to(torch.float32)) + _STREAM_BITS
-    return factors if with_factors < (1 - _MARGIN) * plain else None
+    return factors if with_factors < (1 - margin) * plain else None
 
 
 def _order0_bits(values: torch.Tensor) -> float:
@@ -224,27 +229,20 @@ def _order0_bits(values: torch.Tensor) -> float:
     return float(-(counts * torch.log2(counts / counts.sum())).sum())
 
 
-@register_codec
-class LowRankResidualCodec(ResidualCodec):
-    """:class:`~.residual.ResidualCodec` whose change is a rank-``rank`` product of integer
-    factors plus what the product leaves, coded by ``inner``.
+class _Factored:
+    """The rank and the factors hint of a low-rank codec, and the matrix its tensors are."""
 
-    Args:
-        inner: the codec of what the product leaves (config or codec object; no reference).
-        rank: the factors' rank, 1 to :data:`MAX_RANK`.
-    """
-
-    codec_id = "residual_low_rank"
+    codec_id: str
+    rank: int
     _factors: Optional[LowRankFactors] = None
 
-    def __init__(self, inner: Union[dict[str, Any], Codec], rank: int) -> None:
-        super().__init__(inner)
+    def _check_rank(self, rank: Any) -> int:
         if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= MAX_RANK:
             raise ValueError(f"{self.codec_id}: rank must be an int in 1..{MAX_RANK}, got {rank!r}")
-        self.rank = rank
+        return rank
 
-    def with_factors(self, factors: LowRankFactors) -> "LowRankResidualCodec":
-        """This codec, encoding with ``factors`` (of the change it will be given) instead of
+    def with_factors(self, factors: LowRankFactors) -> Any:
+        """This codec, encoding with ``factors`` (of the tensor it will be given) instead of
         finding its own: a policy that chose the rank has them already."""
         if factors.rank != self.rank:
             raise ValueError(f"{self.codec_id}: factors of rank {factors.rank} for a rank-{self.rank} codec")
@@ -257,23 +255,58 @@ class LowRankResidualCodec(ResidualCodec):
             raise FormatError(f"{self.codec_id}: a rank-{self.rank} product cannot make a tensor of shape {list(spec.shape)}")
         return shape
 
+    def _encode_shape(self, spec: TensorSpec) -> tuple[int, int]:
+        try:
+            return self._shape(spec)
+        except FormatError as exc:
+            raise ValueError(str(exc)) from None
+
+    def _factors_of(self, matrix: torch.Tensor) -> LowRankFactors:
+        """The hinted factors if they fit ``matrix``, else its own."""
+        factors = self._factors
+        rows, cols = matrix.shape
+        if factors is None or tuple(factors.left.shape) != (rows, self.rank) or tuple(factors.right.shape) != (cols, self.rank):
+            factors = low_rank_factors(matrix, self.rank)
+        return factors
+
+    def _read_factors(self, streams: Sequence[Any], params: dict[str, Any], rows: int, cols: int) -> tuple[LowRankFactors, dict[str, Any]]:
+        """``(factors, inner params)`` of stored streams; :class:`FormatError` if missing."""
+        if len(streams) < 1:
+            raise FormatError(f"{self.codec_id}: the factor stream is missing")
+        inner_params = params.get("inner")
+        if not isinstance(inner_params, dict):
+            raise FormatError(f"{self.codec_id}: params lack the inner codec's params")
+        return LowRankFactors.from_bytes(streams[0], rows, cols, self.rank), inner_params
+
+
+@register_codec
+class LowRankResidualCodec(_Factored, ResidualCodec):
+    """:class:`~.residual.ResidualCodec` whose change is a rank-``rank`` product of integer
+    factors plus what the product leaves, coded by ``inner``.
+
+    Args:
+        inner: the codec of what the product leaves (config or codec object; no reference).
+        rank: the factors' rank, 1 to :data:`MAX_RANK`.
+    """
+
+    codec_id = "residual_low_rank"
+
+    def __init__(self, inner: Union[dict[str, Any], Codec], rank: int) -> None:
+        super().__init__(inner)
+        self.rank = self._check_rank(rank)
+
     def encode(self, tensor: torch.Tensor, reference: Optional[torch.Tensor] = None) -> Encoded:
         prepared = self._take_prepared(tensor, reference)
         if prepared is not None:
             return prepared
         spec = TensorSpec.of(tensor)
         reference = matching_reference(spec, reference, "a residual")
-        try:
-            rows, cols = self._shape(spec)
-        except FormatError as exc:
-            raise ValueError(str(exc)) from None
+        rows, cols = self._encode_shape(spec)
         compute = working_dtype(tensor.dtype)
         flat = checked_float_input(tensor, self.codec_id)
         base = checked_float_input(reference.to(tensor.device), self.codec_id)
         change = (flat - base).reshape(rows, cols)
-        factors = self._factors
-        if factors is None or tuple(factors.left.shape) != (rows, self.rank) or tuple(factors.right.shape) != (cols, self.rank):
-            factors = low_rank_factors(change, self.rank)
+        factors = self._factors_of(change)
         product = factors.product(compute, change.device)
         inner = self._inner.encode((change - product).reshape(spec.shape))
         left = inner.reconstruction if inner.reconstruction is not None else (change - product).reshape(spec.shape)
@@ -294,18 +327,77 @@ class LowRankResidualCodec(ResidualCodec):
         reference = matching_reference(spec, reference, "a residual")
         compute = require_float_spec(spec, self.codec_id)
         rows, cols = self._shape(spec)
-        if len(streams) < 1:
-            raise FormatError(f"{self.codec_id}: the factor stream is missing")
-        inner_params = params.get("inner")
-        if not isinstance(inner_params, dict):
-            raise FormatError(f"{self.codec_id}: params lack the inner codec's params")
+        factors, inner_params = self._read_factors(streams, params, rows, cols)
         if params.get("reference_crc32") != reference_checksum(reference):
             raise BrokenChainError(
                 "the reference tensor differs from the one this residual was taken against "
                 "(checksum mismatch): load it against the same previous checkpoint or base"
             )
-        factors = LowRankFactors.from_bytes(streams[0], rows, cols, self.rank)
         left = self._inner.decode(streams[1:], inner_params, TensorSpec(compute, spec.shape))
         base = reference.detach().to("cpu", compute).reshape(rows, cols)
         product = factors.product(compute)
         return (base + (product + left.to(compute).reshape(rows, cols))).reshape(spec.shape).to(spec.dtype)
+
+
+@register_codec
+class GroupedLowRankCodec(_ContextKey, _Factored, PreparedEncoding, Codec):
+    """A tensor (Adam's first moment, kept whole) as a rank-``rank`` product of integer
+    factors plus what the product leaves, coded by ``inner`` (a :class:`DynaQuantGroupedCodec`:
+    ids per octave of the *context*, the second moment of the same checkpoint).
+
+    Args:
+        inner: the ``dynaquant_grouped`` codec of what the product leaves (config or codec).
+        rank: the factors' rank, 1 to :data:`MAX_RANK`.
+    """
+
+    codec_id = "dynaquant_grouped_low_rank"
+    lossless = False
+
+    def __init__(self, inner: Union[dict[str, Any], Codec], rank: int) -> None:
+        codec = inner if isinstance(inner, Codec) else get_codec(inner)
+        if type(codec) is not DynaQuantGroupedCodec:
+            raise ValueError(f"{self.codec_id}: the inner codec must be 'dynaquant_grouped', got {codec.codec_id!r}")
+        self._inner: DynaQuantGroupedCodec = codec
+        self.inner = codec.get_config()
+        self.rank = self._check_rank(rank)
+
+    def encode(
+        self,
+        tensor: torch.Tensor,
+        reference: Optional[torch.Tensor] = None,
+        context: Optional[torch.Tensor] = None,
+    ) -> Encoded:
+        prepared = self._take_prepared(tensor, None, context)
+        if prepared is not None:
+            return prepared
+        spec = TensorSpec.of(tensor)
+        rows, cols = self._encode_shape(spec)
+        context = self._context(spec, context)
+        compute = working_dtype(tensor.dtype)
+        matrix = checked_float_input(tensor, self.codec_id).reshape(rows, cols)
+        factors = self._factors_of(matrix)
+        product = factors.product(compute, matrix.device)
+        leftover = (matrix - product).reshape(spec.shape)
+        inner = self._inner.encode(leftover, None, context=context)
+        left = inner.reconstruction if inner.reconstruction is not None else leftover
+        rebuilt = (product + left.to(compute).reshape(rows, cols)).reshape(spec.shape)
+        return Encoded(
+            streams=[factors.to_bytes(), *inner.streams],
+            params={"inner": inner.params},
+            reconstruction=rebuilt.to(tensor.dtype),
+        )
+
+    def decode(
+        self,
+        streams: Sequence[Any],
+        params: dict[str, Any],
+        spec: TensorSpec,
+        reference: Optional[torch.Tensor] = None,
+        context: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        compute = require_float_spec(spec, self.codec_id)
+        rows, cols = self._shape(spec)
+        context = self._context(spec, context)
+        factors, inner_params = self._read_factors(streams, params, rows, cols)
+        left = self._inner.decode(streams[1:], inner_params, TensorSpec(compute, spec.shape), None, context=context)
+        return (factors.product(compute) + left.to(compute).reshape(rows, cols)).reshape(spec.shape).to(spec.dtype)

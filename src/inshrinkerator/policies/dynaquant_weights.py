@@ -18,7 +18,7 @@ from ..codecs.base import Encoded
 from ..codecs.bucket_delta import EntropyStats
 from ..codecs.dynaquant import DynaQuantCodec, DynaQuantDeltaCodec
 from ..codecs.dynaquant_context import SignGroupedResidualCodec
-from ..codecs.low_rank import MIN_SIDE, LowRankFactors, LowRankResidualCodec, choose_low_rank, matrix_shape
+from ..codecs.low_rank import LowRankResidualCodec
 from ..codecs.log_sketch import SIGNED_KEYS, signed_keys
 from ..codecs.lossy_input import all_finite, working_dtype
 from ..codecs.nonuniform_quantizer import fit_centroids_batch
@@ -27,7 +27,7 @@ from ..codecs.unchanged import UnchangedCodec
 from ..tree import TensorLeaf, format_key_path
 from .base import encoded_size, leaf_nbytes, usable_reference
 from .dynaquant_search import ConfigurationCube, Point, SearchRecord
-from .even_levels import even_levels, even_step, spread
+from .even_levels import change_plan, even_levels, spread
 from .quantization_trials import MAGNITUDE, TrialConfig, WeightTrial
 from .state_layout import StateLayout, TensorRole
 
@@ -331,7 +331,7 @@ class WeightPlanning:
             error = self.residual_error
             factored = self.low_rank_changes
             plans = parallel_map_sized(
-                lambda i: _change_plan(leaves[i].tensor, references[i], error, factored), indices, sizes
+                lambda i: change_plan(leaves[i].tensor, references[i], error, factored), indices, sizes
             )
             coded: list[tuple[int, ResidualCodec]] = []
             for index, (histogram, rms, largest, factors) in zip(indices, plans):
@@ -692,27 +692,6 @@ class _WeightPlan:
             weighted = float(torch.dot(difference * trial.weights, difference))
             error = max(error, weighted / max(trial.total, 1e-300))
         return error
-
-
-def _change_plan(
-    tensor: torch.Tensor, reference: Optional[torch.Tensor], error: float, factored: bool
-) -> tuple[torch.Tensor, float, float, Optional[LowRankFactors]]:
-    """``(histogram, rms, largest, factors)`` of ``tensor - reference`` as it is stored on
-    levels losing ``error`` of its squared size: with ``factored``, a matrix's change may be
-    a low-rank product (``factors``) plus what it leaves, which the histogram and the
-    largest magnitude then describe; ``rms`` is always the change's own."""
-    compute = working_dtype(tensor.dtype)
-    change = tensor.detach().reshape(-1).to(compute) - reference.detach().to(tensor.device).reshape(-1).to(compute)  # type: ignore[union-attr]
-    rms, largest = spread(change)
-    factors = None
-    shape = matrix_shape(tensor.shape)
-    if factored and shape is not None and min(shape) >= MIN_SIDE and rms > 0 and math.isfinite(largest):
-        factors = choose_low_rank(change.reshape(shape), even_step(rms, error))
-        if factors is not None:
-            # Exactly what LowRankResidualCodec leaves to its inner codec.
-            change = change - factors.product(compute, change.device).reshape(-1)
-            _, largest = spread(change)
-    return torch.bincount(signed_keys(change), minlength=SIGNED_KEYS).cpu(), rms, largest, factors
 
 
 def _change_summary(tensor: torch.Tensor, reference: Optional[torch.Tensor]) -> tuple[torch.Tensor, float, float]:

@@ -1,16 +1,20 @@
 """Evenly spaced levels around an exact zero, spaced for a given share of a tensor's energy
-as the error of rounding to them (docs/dynaquant.md)."""
+as the error of rounding to them, and what a tensor stored on them looks like, a matrix
+perhaps as a low-rank product plus what it leaves (docs/dynaquant.md)."""
 
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
 from ..codecs.dynaquant import even_level_values
-from ..codecs.log_sketch import magnitude_keys
+from ..codecs.log_sketch import SIGNED_KEYS, magnitude_keys, signed_keys
+from ..codecs.lossy_input import working_dtype
+from ..codecs.low_rank import MIN_SIDE, LowRankFactors, choose_low_rank, matrix_shape
 
-__all__ = ["MAX_EVEN_LEVELS", "even_levels", "even_step", "spread"]
+__all__ = ["MAX_EVEN_LEVELS", "change_plan", "even_levels", "even_step", "spread"]
 
 #: The most evenly spaced levels on each side of 0 (the id coder holds 4,096 ids: these,
 #: the zero level and the protect id); a value reaching further is rounded to the last.
@@ -52,3 +56,27 @@ def spread(values: torch.Tensor) -> tuple[float, float]:
     if values.numel() == 0:
         return 0.0, 0.0
     return float(torch.linalg.vector_norm(values)) / values.numel() ** 0.5, float(values.abs().max())
+
+
+def change_plan(
+    tensor: torch.Tensor, reference: Optional[torch.Tensor], error: float, factored: bool, margin: float = 0.05
+) -> tuple[torch.Tensor, float, float, Optional[LowRankFactors]]:
+    """``(histogram, rms, largest, factors)`` of ``tensor - reference`` (of ``tensor`` with
+    no reference) as it is stored on evenly spaced levels losing ``error`` of its squared
+    size: with ``factored``, a matrix may be a low-rank product (``factors``, saving at
+    least ``margin`` of the estimated bits) plus what it leaves, which the histogram and
+    the largest magnitude then describe; ``rms`` is always the matrix's own."""
+    compute = working_dtype(tensor.dtype)
+    change = tensor.detach().reshape(-1).to(compute)
+    if reference is not None:
+        change = change - reference.detach().to(tensor.device).reshape(-1).to(compute)
+    rms, largest = spread(change)
+    factors = None
+    shape = matrix_shape(tensor.shape)
+    if factored and shape is not None and min(shape) >= MIN_SIDE and rms > 0 and math.isfinite(largest):
+        factors = choose_low_rank(change.reshape(shape), even_step(rms, error), margin)
+        if factors is not None:
+            # Exactly what LowRankResidualCodec leaves to its inner codec.
+            change = change - factors.product(compute, change.device).reshape(-1)
+            _, largest = spread(change)
+    return torch.bincount(signed_keys(change), minlength=SIGNED_KEYS).cpu(), rms, largest, factors

@@ -40,6 +40,7 @@ from inshrinkerator.codecs import (
     DynaQuantGroupedCodec,
     DynaQuantMaskedCodec,
     DynaQuantMaskedDeltaCodec,
+    GroupedLowRankCodec,
     LowRankResidualCodec,
     SignGroupedResidualCodec,
 )
@@ -101,6 +102,12 @@ def _cases() -> list[tuple[str, Codec, torch.Tensor, Optional[torch.Tensor], Opt
         (2, 56), generator=torch.Generator().manual_seed(17)
     )
     turned = (matrix.double() + directions.double() * 1e-3 + _update(torch.zeros(40, 56), 18, 1e-4).double()).float()
+    # A first moment mostly along three directions, coded per octave of its second moment.
+    along = torch.randn((64, 80), generator=torch.Generator().manual_seed(19))
+    few = torch.randn((64, 3), generator=torch.Generator().manual_seed(21)) @ torch.randn(
+        (3, 80), generator=torch.Generator().manual_seed(22)
+    )
+    averaged = (few * 1e-4 + along * spread.sqrt() * 1e-3).float()
     return [
         ("dynaquant/float32_bins12_prune_protect", full, base, None, None),
         ("dynaquant/float32_non_finite", DynaQuantCodec(bins=4, protect=0.01), special, None, None),
@@ -123,6 +130,8 @@ def _cases() -> list[tuple[str, Codec, torch.Tensor, Optional[torch.Tensor], Opt
         ("residual_sign_grouped/float32_against_first_moment",
          SignGroupedResidualCodec(DynaQuantCodec(bins=10)), moved, weights, signs),
         ("residual_low_rank/float32_rank2", LowRankResidualCodec(DynaQuantCodec(bins=10), rank=2), turned, matrix, None),
+        ("dynaquant_grouped_low_rank/float32_rank3_by_octave",
+         GroupedLowRankCodec(DynaQuantGroupedCodec(bins=8), rank=3), averaged, None, spread),
     ]
 
 
