@@ -28,7 +28,7 @@ codec is a ``dynaquant_grouped`` reading the same context).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -84,7 +84,7 @@ def matrix_shape(shape: Sequence[int]) -> Optional[tuple[int, int]]:
 
 @dataclass(frozen=True)
 class LowRankFactors:
-    """``left @ right.T * left_scale * right_scale``: the integer factors of one change."""
+    """``left @ right.T * left_scale * right_scale``: the integer factors of one matrix."""
 
     left: torch.Tensor  # int8, rows x rank
     right: torch.Tensor  # int8, cols x rank
@@ -115,13 +115,13 @@ class LowRankFactors:
         """Read stream 0; :class:`FormatError` if it does not hold factors of this size."""
         view = memoryview(data).cast("B")
         if len(view) < 8:
-            raise FormatError(f"residual_low_rank: the factor stream holds {len(view)} bytes, less than its scales")
+            raise FormatError(f"low-rank factors: the factor stream holds {len(view)} bytes, less than its scales")
         left_scale, right_scale = (float(x) for x in np.frombuffer(view[:8], dtype="<f4"))
         if not all(math.isfinite(s) and s > 0 for s in (left_scale, right_scale)):
-            raise FormatError("residual_low_rank: a factor scale is not a positive finite number")
+            raise FormatError("low-rank factors: a factor scale is not a positive finite number")
         values = decode_symbols(view[8:], expected_count=rank * (rows + cols))
         if values.numel() and int(values.max()) > 2 * FACTOR_LEVELS:
-            raise FormatError(f"residual_low_rank: a factor entry lies outside +-{FACTOR_LEVELS}")
+            raise FormatError(f"low-rank factors: a factor entry lies outside +-{FACTOR_LEVELS}")
         values = (values - FACTOR_LEVELS).to(torch.int8)
         left = values[: rows * rank].reshape(rows, rank)
         right = values[rows * rank:].reshape(cols, rank)
@@ -269,6 +269,19 @@ class _Factored:
             factors = low_rank_factors(matrix, self.rank)
         return factors
 
+    def _encode_factored(
+        self, matrix: torch.Tensor, shape: tuple[int, ...], compute: torch.dtype, encode_inner: Callable[[torch.Tensor], Encoded]
+    ) -> tuple[LowRankFactors, Encoded, torch.Tensor]:
+        """``(factors, inner, rebuilt)``: the factors of ``matrix`` (the hinted ones if they
+        fit), ``encode_inner``'s encoding of what their product leaves (in ``shape``), and
+        the product plus that encoding's reconstruction (``rows x cols``, ``compute``)."""
+        factors = self._factors_of(matrix)
+        product = factors.product(compute, matrix.device)
+        leftover = (matrix - product).reshape(shape)
+        inner = encode_inner(leftover)
+        left = inner.reconstruction if inner.reconstruction is not None else leftover
+        return factors, inner, product + left.to(compute).reshape(matrix.shape)
+
     def _read_factors(self, streams: Sequence[Any], params: dict[str, Any], rows: int, cols: int) -> tuple[LowRankFactors, dict[str, Any]]:
         """``(factors, inner params)`` of stored streams; :class:`FormatError` if missing."""
         if len(streams) < 1:
@@ -306,11 +319,8 @@ class LowRankResidualCodec(_Factored, ResidualCodec):
         flat = checked_float_input(tensor, self.codec_id)
         base = checked_float_input(reference.to(tensor.device), self.codec_id)
         change = (flat - base).reshape(rows, cols)
-        factors = self._factors_of(change)
-        product = factors.product(compute, change.device)
-        inner = self._inner.encode((change - product).reshape(spec.shape))
-        left = inner.reconstruction if inner.reconstruction is not None else (change - product).reshape(spec.shape)
-        rebuilt = (base.reshape(rows, cols) + (product + left.to(compute).reshape(rows, cols))).reshape(spec.shape)
+        factors, inner, change_back = self._encode_factored(change, spec.shape, compute, self._inner.encode)
+        rebuilt = (base.reshape(rows, cols) + change_back).reshape(spec.shape)
         return Encoded(
             streams=[factors.to_bytes(), *inner.streams],
             params={"inner": inner.params, "reference_crc32": reference_checksum(reference)},
@@ -375,16 +385,13 @@ class GroupedLowRankCodec(_ContextKey, _Factored, PreparedEncoding, Codec):
         context = self._context(spec, context)
         compute = working_dtype(tensor.dtype)
         matrix = checked_float_input(tensor, self.codec_id).reshape(rows, cols)
-        factors = self._factors_of(matrix)
-        product = factors.product(compute, matrix.device)
-        leftover = (matrix - product).reshape(spec.shape)
-        inner = self._inner.encode(leftover, None, context=context)
-        left = inner.reconstruction if inner.reconstruction is not None else leftover
-        rebuilt = (product + left.to(compute).reshape(rows, cols)).reshape(spec.shape)
+        factors, inner, rebuilt = self._encode_factored(
+            matrix, spec.shape, compute, lambda leftover: self._inner.encode(leftover, None, context=context)
+        )
         return Encoded(
             streams=[factors.to_bytes(), *inner.streams],
             params={"inner": inner.params},
-            reconstruction=rebuilt.to(tensor.dtype),
+            reconstruction=rebuilt.reshape(spec.shape).to(tensor.dtype),
         )
 
     def decode(
