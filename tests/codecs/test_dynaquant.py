@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from inshrinkerator.codecs import (
     DynaQuantCodec,
     DynaQuantDeltaCodec,
+    DynaQuantGroupedCodec,
     TensorSpec,
     get_codec,
 )
@@ -240,3 +241,15 @@ def test_a_damaged_step_or_an_impossible_even_table_is_refused() -> None:
     with pytest.raises(FormatError):
         codec.decode([bytes(damaged)], encoded.params, spec, None)
     check_damaged_streams(codec, tensor)
+
+
+def test_rehinted_keeps_the_other_hints_and_replaces_the_named_ones() -> None:
+    values = torch.randn(40, 50, generator=torch.Generator().manual_seed(3)) * 1e-2
+    first = torch.tensor([-2e-2, -1e-2, 1e-2, 2e-2])
+    second = torch.tensor([-1.5e-2, -5e-3, 5e-3, 1.5e-2])
+    codec = DynaQuantCodec(bins=4, prune=0.0, protect=0.0).with_hints(centroids=first, prune_below=200)
+    again = codec.rehinted(centroids=second)
+    expected = DynaQuantCodec(bins=4, prune=0.0, protect=0.0).with_hints(centroids=second, prune_below=200)
+    assert torch.equal(again.encode(values).reconstruction, expected.encode(values).reconstruction)
+    assert not torch.equal(again.encode(values).reconstruction, codec.encode(values).reconstruction)
+    assert type(DynaQuantGroupedCodec(bins=4).rehinted(centroids=first)) is DynaQuantGroupedCodec

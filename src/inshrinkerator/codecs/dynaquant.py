@@ -253,6 +253,12 @@ class DynaQuantCodec(PreparedEncoding, Codec):
         }
         return codec
 
+    def rehinted(self, **changes: Any) -> "DynaQuantCodec":
+        """A copy with this codec's hints, those named in ``changes`` replaced (the names of
+        :meth:`with_hints`): e.g. the same codec for what a low-rank product leaves of the
+        tensor, whose histogram and reach differ."""
+        return self.with_hints(**{**self._hints, **changes})
+
     def get_config(self) -> dict[str, Any]:
         """The options that differ from the defaults (files hold one config per tensor)."""
         config = super().get_config()

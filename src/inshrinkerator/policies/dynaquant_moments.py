@@ -167,7 +167,7 @@ class MomentPlanning:
                 continue
             grouped: DynaQuantGroupedCodec = codecs[index]  # type: ignore[assignment]
             centroids, prune_below = even_levels(rms, largest, error)
-            inner = grouped.with_hints(**{**grouped._hints, "counts": histogram, "centroids": centroids, "prune_below": prune_below})
+            inner = grouped.rehinted(counts=histogram, centroids=centroids, prune_below=prune_below)
             codec = GroupedLowRankCodec(inner, factors.rank).with_factors(factors)
             codecs[index] = codec.against(grouped.context_key)  # type: ignore[arg-type]
 
