@@ -159,7 +159,7 @@ class MomentPlanning:
         assert error is not None
         indices = [i for i in indices if type(codecs[i]) is DynaQuantGroupedCodec]
         plans = parallel_map_sized(
-            lambda i: change_plan(leaves[i].tensor, None, error, True, FIRST_MOMENT_LOW_RANK_MARGIN),
+            lambda i: change_plan(leaves[i].tensor, None, error, FIRST_MOMENT_LOW_RANK_MARGIN),
             indices, [leaf_nbytes(leaves[i]) for i in indices],
         )
         for index, (histogram, rms, largest, factors) in zip(indices, plans):

@@ -19,7 +19,6 @@ from ..codecs.bucket_delta import EntropyStats
 from ..codecs.dynaquant import DynaQuantCodec, DynaQuantDeltaCodec
 from ..codecs.dynaquant_context import SignGroupedResidualCodec
 from ..codecs.low_rank import LowRankResidualCodec
-from ..codecs.log_sketch import SIGNED_KEYS, signed_keys
 from ..codecs.lossy_input import all_finite, working_dtype
 from ..codecs.nonuniform_quantizer import fit_centroids_batch
 from ..codecs.octave_groups import GROUP_MIN_ELEMENTS
@@ -27,7 +26,7 @@ from ..codecs.unchanged import UnchangedCodec
 from ..tree import TensorLeaf, format_key_path
 from .base import encoded_size, leaf_nbytes, usable_reference
 from .dynaquant_search import ConfigurationCube, Point, SearchRecord
-from .even_levels import change_plan, even_levels, spread
+from .even_levels import change_plan, even_levels
 from .quantization_trials import MAGNITUDE, TrialConfig, WeightTrial
 from .state_layout import StateLayout, TensorRole
 
@@ -329,9 +328,9 @@ class WeightPlanning:
         # keys of every change are not held at once until the encodes.
         if self.residual_error is not None:
             error = self.residual_error
-            factored = self.low_rank_changes
+            factor_error = error if self.low_rank_changes else None
             plans = parallel_map_sized(
-                lambda i: change_plan(leaves[i].tensor, references[i], error, factored), indices, sizes
+                lambda i: change_plan(leaves[i].tensor, references[i], factor_error), indices, sizes
             )
             coded: list[tuple[int, ResidualCodec]] = []
             for index, (histogram, rms, largest, factors) in zip(indices, plans):
@@ -344,8 +343,7 @@ class WeightPlanning:
                 else:
                     coded.append((centroids.numel(), LowRankResidualCodec(hinted, factors.rank).with_factors(factors)))
             return coded
-        summaries = parallel_map_sized(lambda i: _change_summary(leaves[i].tensor, references[i]), indices, sizes)
-        counts = [histogram for histogram, _, _ in summaries]
+        counts = parallel_map_sized(lambda i: change_plan(leaves[i].tensor, references[i])[0], indices, sizes)
         levels = fit_centroids_batch([inner.centroid_fit(histogram) for histogram in counts])
         return [
             (bins, ResidualCodec(inner.with_hints(counts=histogram, centroids=centroids, stats=stats[index])))
@@ -692,11 +690,3 @@ class _WeightPlan:
             weighted = float(torch.dot(difference * trial.weights, difference))
             error = max(error, weighted / max(trial.total, 1e-300))
         return error
-
-
-def _change_summary(tensor: torch.Tensor, reference: Optional[torch.Tensor]) -> tuple[torch.Tensor, float, float]:
-    """``(histogram, rms, largest)`` of ``tensor - reference`` as :class:`ResidualCodec`
-    encodes it: its signed-key histogram, root mean square and largest magnitude."""
-    compute = working_dtype(tensor.dtype)
-    change = tensor.detach().reshape(-1).to(compute) - reference.detach().to(tensor.device).reshape(-1).to(compute)  # type: ignore[union-attr]
-    return (torch.bincount(signed_keys(change), minlength=SIGNED_KEYS).cpu(), *spread(change))

@@ -59,13 +59,15 @@ def spread(values: torch.Tensor) -> tuple[float, float]:
 
 
 def change_plan(
-    tensor: torch.Tensor, reference: Optional[torch.Tensor], error: float, factored: bool, margin: float = 0.05
+    tensor: torch.Tensor, reference: Optional[torch.Tensor], factor_error: Optional[float] = None, margin: float = 0.05
 ) -> tuple[torch.Tensor, float, float, Optional[LowRankFactors]]:
     """``(histogram, rms, largest, factors)`` of ``tensor - reference`` (of ``tensor`` with
-    no reference) as it is stored on evenly spaced levels losing ``error`` of its squared
-    size: with ``factored``, a matrix may be a low-rank product (``factors``, saving at
-    least ``margin`` of the estimated bits) plus what it leaves, which the histogram and
-    the largest magnitude then describe; ``rms`` is always the matrix's own."""
+    no reference) as its codec takes it: its signed-key histogram, root mean square and
+    largest magnitude. With ``factor_error`` (the share of its squared size its evenly
+    spaced levels lose), a matrix may be a low-rank product (``factors``, saving at least
+    ``margin`` of the estimated bits) plus what it leaves, which the histogram and the
+    largest magnitude then describe; ``rms`` is always the matrix's own. The product is
+    formed again when the codec encodes, rather than held for every tensor until then."""
     compute = working_dtype(tensor.dtype)
     change = tensor.detach().reshape(-1).to(compute)
     if reference is not None:
@@ -73,8 +75,8 @@ def change_plan(
     rms, largest = spread(change)
     factors = None
     shape = matrix_shape(tensor.shape)
-    if factored and shape is not None and min(shape) >= MIN_SIDE and rms > 0 and math.isfinite(largest):
-        factors = choose_low_rank(change.reshape(shape), even_step(rms, error), margin)
+    if factor_error is not None and shape is not None and min(shape) >= MIN_SIDE and rms > 0 and math.isfinite(largest):
+        factors = choose_low_rank(change.reshape(shape), even_step(rms, factor_error), margin)
         if factors is not None:
             # Exactly what LowRankResidualCodec leaves to its inner codec.
             change = change - factors.product(compute, change.device).reshape(-1)
