@@ -370,6 +370,72 @@ def test_even_levels_round_to_the_nearest_step_and_to_zero_below_half_a_step() -
     assert even_levels(1.0, 1e9, 0.03)[0].numel() == 2 * MAX_EVEN_LEVELS
 
 
+def _leftover_coding(means: bool, within_even: bool = True) -> tuple[int, float, torch.Tensor]:
+    """(bytes, error / squared change, levels) of a rank-8 change plus noise, stored as a
+    low-rank product and what it leaves on ``residual_error`` 0.03's levels."""
+    from inshrinkerator.codecs import LowRankResidualCodec
+    from inshrinkerator.policies.even_levels import change_plan, step_levels
+
+    generator = torch.Generator().manual_seed(0)
+    change = torch.randn(256, 8, generator=generator) @ torch.randn(128, 8, generator=generator).T
+    change += 0.6 * torch.randn(256, 128, generator=generator)
+    reference = torch.randn(256, 128, generator=generator)
+    tensor = reference + change
+    histogram, rms, largest, factors = change_plan(tensor, reference, 0.03)
+    assert factors is not None
+    centroids, prune_below = step_levels(histogram, rms, largest, 0.03, means, within_even)
+    inner = DynaQuantCodec(bins=10, prune=0.0, protect=0.0).with_hints(counts=histogram, centroids=centroids, prune_below=prune_below)
+    encoded = LowRankResidualCodec(inner, factors.rank).with_factors(factors).encode(tensor, reference)
+    error = float((encoded.reconstruction - tensor).pow(2).sum() / change.pow(2).sum())
+    return sum(len(stream) for stream in encoded.streams), error, centroids
+
+
+def test_cell_means_code_what_a_product_leaves_in_fewer_bytes_at_no_more_error() -> None:
+    # What a product leaves mostly rounds to 0 and its cells' values crowd towards zero:
+    # evenly spaced levels lose less than they are spaced for. Cell means at that same
+    # error take wider cells and fewer bytes.
+    even_bytes, even_error, even = _leftover_coding(means=False)
+    mean_bytes, mean_error, levels = _leftover_coding(means=True)
+    assert even_error < 0.03 and mean_error <= even_error * 1.01
+    assert mean_bytes < 0.9 * even_bytes
+    # Not multiples of the plain step (whose error they spend), and never 0.
+    step = float(even[even > 0].min())
+    positive = levels[levels > 0].double()
+    assert not torch.allclose(positive / step, (positive / step).round(), atol=1e-3)
+    assert float(positive.min()) > 0.5 * step and bool((levels != 0).all())
+    # Spending the whole share instead: more error, still within it.
+    _, full_error, _ = _leftover_coding(means=True, within_even=False)
+    assert mean_error < full_error <= 0.03
+
+
+def test_cell_means_are_kept_only_where_they_pay_for_their_table() -> None:
+    from inshrinkerator.policies.even_levels import change_plan, mean_levels
+
+    generator = torch.Generator().manual_seed(1)
+    # Too few values for a table of levels, and nothing that moved.
+    small = torch.randn(1000, generator=generator)
+    histogram, rms, largest, _ = change_plan(small, None)
+    assert mean_levels(histogram, rms, largest, 0.03) is None
+    histogram, rms, largest, _ = change_plan(torch.zeros(4096), None)
+    assert mean_levels(histogram, rms, largest, 0.03) is None
+    # A Gaussian spread over many steps: its cells' means are their middles, no gain.
+    wide = torch.randn(65536, generator=generator)
+    histogram, rms, largest, _ = change_plan(wide, None)
+    assert mean_levels(histogram, rms, largest, 0.03) is None
+    # Nearly everything at 0 and a few far values about 1 and -3: the widest spacing tried
+    # holds the error with a level or two for each group, where evenly spaced ones take
+    # many; those few means pay for their table.
+    sparse = torch.zeros(65536)
+    sparse[:40] = torch.linspace(0.9, 1.1, 40)
+    sparse[40:50] = -3.0
+    histogram, rms, largest, _ = change_plan(sparse, None)
+    chosen = mean_levels(histogram, rms, largest, 0.03, within_even=False)
+    assert chosen is not None
+    levels, _ = chosen
+    assert levels.numel() <= 3 and abs(float(levels[0]) + 3.0) < 0.03
+    assert bool(((levels[1:] > 0.9) & (levels[1:] < 1.1)).all())
+
+
 def test_a_stored_change_takes_the_fewest_levels_that_keep_it_within_the_movement_budget() -> None:
     # 16 fixed levels leave a Gaussian change ~1 % of its energy as error, 10x inside the
     # budget (0.1 of it); the search goes to fewer levels and stops before crossing it.

@@ -241,6 +241,18 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
             k-means levels lost on average, and stores MiniLM's changes ~14 % smaller at
             the same error per tensor (docs/dynaquant-measurements.md, *Evenly spaced
             levels for stored changes*). None: k-means levels, ``residual_bins``.
+        cell_means: evenly spaced levels (a weight's change on ``residual_error``'s, a first
+            moment kept whole on ``first_moment_error``'s) keep their cells, a value below
+            half a cell rounding to 0, but each cell is reconstructed at the mean of the
+            values in it (a table of levels in the stream), where the histogram's entropy
+            says the table pays for itself. Where most values round to 0 (what a low-rank
+            product leaves, a heavy-tailed moment) a cell's values crowd towards zero and its
+            middle loses less than the levels are spaced for; with the means, wider cells
+            lose that much in fewer bits. A change takes the widest cells that lose no more
+            than evenly spaced levels do (its error is in the next delta's change, where no
+            product takes it out); a first moment, stored afresh at every checkpoint, those
+            that lose ``first_moment_error`` of it (docs/dynaquant-measurements.md, *Cell
+            means*).
         residual_bins: with ``residual_error=None``, the k-means levels tried, most first,
             for a weight stored as its change: it takes the fewest whose error stays within
             its budget (the first when none does). 10 alone ended MiniLM's 8 yardstick seeds
@@ -288,6 +300,7 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
     low_rank_first_moments: bool = True
     residual_bins: tuple[int, ...] = (10,)
     residual_error: Optional[float] = 0.03
+    cell_means: bool = True
     min_numel: int = 1024
     moment_min_numel: int = 64
     small_min_numel: int = 64
@@ -312,7 +325,7 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
         _check_number("sigma", self.sigma, 0.0, 1.0)
         _check_number("stickiness", self.stickiness, 0.0, 4.0)
         for knob in ("precision_only_grows", "joint_moment_mask", "first_moment_octaves", "sign_grouped_changes", "low_rank_changes",
-                     "low_rank_first_moments"):
+                     "low_rank_first_moments", "cell_means"):
             if not isinstance(getattr(self, knob), bool):
                 raise ValueError(f"{knob} must be a bool, got {getattr(self, knob)!r}")
         _check_number("first_moment_keep", self.first_moment_keep, 0.0, 1.0)

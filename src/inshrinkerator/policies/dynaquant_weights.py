@@ -26,7 +26,7 @@ from ..codecs.unchanged import UnchangedCodec
 from ..tree import TensorLeaf, format_key_path
 from .base import encoded_size, leaf_nbytes, usable_reference
 from .dynaquant_search import ConfigurationCube, Point, SearchRecord
-from .even_levels import change_plan, even_levels
+from .even_levels import change_plan, step_levels
 from .quantization_trials import MAGNITUDE, TrialConfig, WeightTrial
 from .state_layout import StateLayout, TensorRole
 
@@ -72,6 +72,7 @@ class WeightPlanning:
     precision_only_grows: bool
     residual_bins: tuple[int, ...]
     residual_error: Optional[float]
+    cell_means: bool
     sign_grouped_changes: bool
     low_rank_changes: bool
     min_numel: int
@@ -335,8 +336,8 @@ class WeightPlanning:
             coded: list[tuple[int, ResidualCodec]] = []
             for index, (histogram, rms, largest, factors) in zip(indices, plans):
                 # The levels' spacing follows the change; with factors, the levels reach as
-                # far as what their product leaves.
-                centroids, prune_below = even_levels(rms, largest, error)
+                # far as what their product leaves (and their cells' means describe it).
+                centroids, prune_below = step_levels(histogram, rms, largest, error, self.cell_means)
                 hinted = inner.with_hints(counts=histogram, centroids=centroids, prune_below=prune_below, stats=stats[index])
                 if factors is None:
                     coded.append((centroids.numel(), ResidualCodec(hinted)))
