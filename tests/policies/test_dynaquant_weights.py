@@ -408,6 +408,29 @@ def test_cell_means_code_what_a_product_leaves_in_fewer_bytes_at_no_more_error()
     assert mean_error < full_error <= 0.03
 
 
+def test_the_policy_stores_a_low_rank_change_on_cell_means_in_fewer_bytes_at_no_more_error() -> None:
+    # model/3.weight moved by a rank-2 change plus a little noise: stored as a product and
+    # what it leaves, on cell means by default, on evenly spaced levels with cell_means=False.
+    _, (state,) = trained_states(1)
+    flat = flatten(state)
+    keys = [format_key_path(leaf.path) for leaf in flat.tensors]
+    index = keys.index("model/3.weight")
+    weight = flat.tensors[index].tensor
+    generator = torch.Generator().manual_seed(5)
+    change = torch.randn(32, 2, generator=generator) @ torch.randn(512, 2, generator=generator).T
+    change = (change + 0.3 * torch.randn(32, 512, generator=generator)) * 1e-3 * float(weight.std())
+    references = [weight - change if key == "model/3.weight" else None for key in keys]
+    stored = {}
+    for means in (False, True):
+        codecs = DynaQuant(cell_means=means).plan(flat.tensors, references)
+        assert codecs[index].codec_id == "residual_low_rank"
+        encoded = encode_planned(flat.tensors, codecs, references)[index]
+        error = float((encoded.reconstruction - weight).pow(2).sum() / change.pow(2).sum())
+        stored[means] = (sum(len(s) for s in encoded.streams), error)
+    assert stored[True][0] < 0.95 * stored[False][0]
+    assert stored[True][1] <= 1.01 * stored[False][1] < 0.03
+
+
 def test_cell_means_are_kept_only_where_they_pay_for_their_table() -> None:
     from inshrinkerator.policies.even_levels import change_plan, mean_levels
 

@@ -241,18 +241,18 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
             k-means levels lost on average, and stores MiniLM's changes ~14 % smaller at
             the same error per tensor (docs/dynaquant-measurements.md, *Evenly spaced
             levels for stored changes*). None: k-means levels, ``residual_bins``.
-        cell_means: evenly spaced levels (a weight's change on ``residual_error``'s, a first
-            moment kept whole on ``first_moment_error``'s) keep their cells, a value below
-            half a cell rounding to 0, but each cell is reconstructed at the mean of the
-            values in it (a table of levels in the stream), where the histogram's entropy
-            says the table pays for itself. Where most values round to 0 (what a low-rank
-            product leaves, a heavy-tailed moment) a cell's values crowd towards zero and its
-            middle loses less than the levels are spaced for; with the means, wider cells
-            lose that much in fewer bits. A change takes the widest cells that lose no more
-            than evenly spaced levels do (its error is in the next delta's change, where no
-            product takes it out); a first moment, stored afresh at every checkpoint, those
-            that lose ``first_moment_error`` of it (docs/dynaquant-measurements.md, *Cell
-            means*).
+        cell_means: a weight's change on ``residual_error``'s levels keeps their evenly
+            spaced cells, a value below half a cell rounding to 0, but each cell is
+            reconstructed at the mean of the values in it (a table of levels in the
+            stream), where the histogram's entropy says the table pays for itself. Where
+            most of a change rounds to 0 (what a low-rank product leaves) a cell's values
+            crowd towards zero and its middle loses less than the levels are spaced for;
+            with the means, wider cells lose no more than the evenly spaced ones do, in
+            fewer bits (not the whole ``residual_error``: a delta's error is in the next
+            delta's change, where no product takes it out). First moments keep their
+            evenly spaced levels: wider cells there round more entries to 0, which cost
+            MiniLM's fine-tune accuracy (docs/dynaquant-measurements.md, *Cell means for
+            stored changes*).
         residual_bins: with ``residual_error=None``, the k-means levels tried, most first,
             for a weight stored as its change: it takes the fewest whose error stays within
             its budget (the first when none does). 10 alone ended MiniLM's 8 yardstick seeds

@@ -25,7 +25,7 @@ from ..codecs.low_rank import GroupedLowRankCodec
 from ..codecs.nonuniform_quantizer import LOG, LevelTable, fit_centroids_batch
 from ..tree import TensorLeaf, format_key_path
 from .base import encoded_size, leaf_nbytes, usable_reference
-from .even_levels import change_plan, spread, step_levels
+from .even_levels import change_plan, even_levels, spread
 from .first_moment_levels import zero_level_hints_batch
 from .quantization_trials import quantile_key
 from .state_layout import StateLayout, TensorRole
@@ -69,7 +69,6 @@ class MomentPlanning:
     moment_bins: int
     first_moment_error: Optional[float]
     low_rank_first_moments: bool
-    cell_means: bool
     momentum_bins: int
     second_moment_bins: int
     second_moment: str
@@ -167,7 +166,7 @@ class MomentPlanning:
             if factors is None:
                 continue
             grouped: DynaQuantGroupedCodec = codecs[index]  # type: ignore[assignment]
-            centroids, prune_below = step_levels(histogram, rms, largest, error, self.cell_means, within_even=False)
+            centroids, prune_below = even_levels(rms, largest, error)
             inner = grouped.rehinted(counts=histogram, centroids=centroids, prune_below=prune_below)
             codec = GroupedLowRankCodec(inner, factors.rank).with_factors(factors)
             codecs[index] = codec.against(grouped.context_key)  # type: ignore[arg-type]
@@ -243,9 +242,7 @@ class MomentPlanning:
             whole = keep >= 1.0 and not small and role is TensorRole.FIRST_MOMENT
             if whole and self.first_moment_error is not None:
                 # Every entry kept: evenly spaced levels, with the zero cell below half a step.
-                centroids, prune_below = step_levels(
-                    counts, *spread(tensor.reshape(-1).float()), self.first_moment_error, self.cell_means, within_even=False
-                )
+                centroids, prune_below = even_levels(*spread(tensor.reshape(-1).float()), self.first_moment_error)
                 extra, zero_levels = {"centroids": centroids, "prune_below": prune_below}, None
             else:
                 extra, zero_levels = self._first_moment_hints(tensor, keys, counts, role, partner, keep, bins, joint_mask)
