@@ -410,7 +410,8 @@ def test_cell_means_code_what_a_product_leaves_in_fewer_bytes_at_no_more_error()
 
 def test_the_policy_stores_a_low_rank_change_on_cell_means_in_fewer_bytes_at_no_more_error() -> None:
     # model/3.weight moved by a rank-2 change plus a little noise: stored as a product and
-    # what it leaves, on cell means by default, on evenly spaced levels with cell_means=False.
+    # what it leaves, on cell means with cell_means=True, on evenly spaced levels without
+    # (the default).
     _, (state,) = trained_states(1)
     flat = flatten(state)
     keys = [format_key_path(leaf.path) for leaf in flat.tensors]
@@ -429,6 +430,7 @@ def test_the_policy_stores_a_low_rank_change_on_cell_means_in_fewer_bytes_at_no_
         stored[means] = (sum(len(s) for s in encoded.streams), error)
     assert stored[True][0] < 0.95 * stored[False][0]
     assert stored[True][1] <= 1.01 * stored[False][1] < 0.03
+    assert not DynaQuant().cell_means
 
 
 def test_cell_means_are_kept_only_where_they_pay_for_their_table() -> None:
