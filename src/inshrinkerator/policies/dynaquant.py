@@ -303,6 +303,7 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
     residual_bins: tuple[int, ...] = (10,)
     residual_error: Optional[float] = 0.03
     cell_means: bool = False
+    pooled_error: bool = True
     min_numel: int = 1024
     moment_min_numel: int = 64
     small_min_numel: int = 64
@@ -327,7 +328,7 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
         _check_number("sigma", self.sigma, 0.0, 1.0)
         _check_number("stickiness", self.stickiness, 0.0, 4.0)
         for knob in ("precision_only_grows", "joint_moment_mask", "first_moment_octaves", "sign_grouped_changes", "low_rank_changes",
-                     "low_rank_first_moments", "cell_means"):
+                     "low_rank_first_moments", "cell_means", "pooled_error"):
             if not isinstance(getattr(self, knob), bool):
                 raise ValueError(f"{knob} must be a bool, got {getattr(self, knob)!r}")
         _check_number("first_moment_keep", self.first_moment_keep, 0.0, 1.0)

@@ -26,14 +26,14 @@ from ..codecs.unchanged import UnchangedCodec
 from ..tree import TensorLeaf, format_key_path
 from .base import encoded_size, leaf_nbytes, usable_reference
 from .dynaquant_search import ConfigurationCube, Point, SearchRecord
-from .even_levels import change_plan, step_levels
+from .even_levels import change_energy, change_plan, step_levels
 from .quantization_trials import MAGNITUDE, TrialConfig, WeightTrial
 from .state_layout import StateLayout, TensorRole
 
 if TYPE_CHECKING:
     from .dynaquant import _Memory
 
-__all__ = ["PROXY_SCALE", "CHANGE_TRIAL_BITS", "WeightPlanning"]
+__all__ = ["PROXY_SCALE", "CHANGE_TRIAL_BITS", "POOLED_BUDGET_MARGIN", "WeightPlanning"]
 
 #: Without ``evaluate``, the proxy must stay below ``tolerance * PROXY_SCALE``.
 PROXY_SCALE = 1.0
@@ -42,6 +42,11 @@ PROXY_SCALE = 1.0
 #: cost more than this many bits per element: a change on ``residual_bins`` = 10 levels
 #: cost 2.3-3.3 bits per element on the benchmark's workloads, so below this it cannot win.
 CHANGE_TRIAL_BITS = 1.5
+
+#: With ``pooled_error``, a change's share of the pooled error stays within this much of
+#: its own budget (in plain squared error): the budget also bounds the Fisher-weighted
+#: error, which the pooling does not see.
+POOLED_BUDGET_MARGIN = 0.8
 
 
 def _guess_layer_type(leaf: TensorLeaf) -> str:
@@ -73,6 +78,7 @@ class WeightPlanning:
     residual_bins: tuple[int, ...]
     residual_error: Optional[float]
     cell_means: bool
+    pooled_error: bool
     sign_grouped_changes: bool
     low_rank_changes: bool
     min_numel: int
@@ -309,7 +315,11 @@ class WeightPlanning:
                 lambda i: self._residual_codec(leaves, references, layout, i, trials[i], allowed[i], stats[i]),
                 indices, [leaf_nbytes(leaves[i]) for i in indices],
             )
-        return self._plain_change_codecs(leaves, references, indices, stats)
+        # A change that loses more than its own budget is not stored as one: the most a
+        # pooled spacing may give it, converted to a share of the change's squared size
+        # (plain error; a margin for the Fisher-weighted one).
+        caps = {i: POOLED_BUDGET_MARGIN * allowed[i] * trials[i].total_plain for i in indices if i in allowed}
+        return self._plain_change_codecs(leaves, references, indices, stats, caps)
 
     def _plain_change_codecs(
         self,
@@ -317,6 +327,7 @@ class WeightPlanning:
         references: Sequence[Optional[torch.Tensor]],
         indices: list[int],
         stats: dict[int, EntropyStats],
+        caps: Optional[dict[int, float]] = None,
     ) -> list[tuple[int, ResidualCodec]]:
         """Like :meth:`_change_codecs`, with nothing judged per tensor: each change on evenly
         spaced levels (``residual_error``), or on ``residual_bins[0]`` k-means levels fitted
@@ -328,16 +339,16 @@ class WeightPlanning:
         # No keys hint: the encode computes the change's keys again (one cheap pass), so the
         # keys of every change are not held at once until the encodes.
         if self.residual_error is not None:
-            error = self.residual_error
-            factor_error = error if self.low_rank_changes else None
+            errors = self._change_errors(leaves, references, indices, sizes, caps or {})
             plans = parallel_map_sized(
-                lambda i: change_plan(leaves[i].tensor, references[i], factor_error), indices, sizes
+                lambda i: change_plan(leaves[i].tensor, references[i], errors[i] if self.low_rank_changes else None),
+                indices, sizes,
             )
             coded: list[tuple[int, ResidualCodec]] = []
             for index, (histogram, rms, largest, factors) in zip(indices, plans):
                 # The levels' spacing follows the change; with factors, the levels reach as
                 # far as what their product leaves (and their cells' means describe it).
-                centroids, prune_below = step_levels(histogram, rms, largest, error, self.cell_means)
+                centroids, prune_below = step_levels(histogram, rms, largest, errors[index], self.cell_means)
                 hinted = inner.with_hints(counts=histogram, centroids=centroids, prune_below=prune_below, stats=stats[index])
                 if factors is None:
                     coded.append((centroids.numel(), ResidualCodec(hinted)))
@@ -350,6 +361,56 @@ class WeightPlanning:
             (bins, ResidualCodec(inner.with_hints(counts=histogram, centroids=centroids, stats=stats[index])))
             for index, histogram, centroids in zip(indices, counts, levels)
         ]
+
+    def _change_errors(
+        self,
+        leaves: Sequence[TensorLeaf],
+        references: Sequence[Optional[torch.Tensor]],
+        indices: list[int],
+        sizes: list[int],
+        caps: dict[int, float],
+    ) -> dict[int, float]:
+        """The share of its squared size each change in ``indices`` loses on its evenly
+        spaced levels: ``residual_error`` each, or with ``pooled_error`` the shares that put
+        the changes on one spacing and lose ``residual_error`` of their summed squared size
+        all together. A change that moved less than their mean square loses a larger share
+        of itself, one that moved more a smaller share; none more than ``movement_share``
+        or the squared error ``caps`` allows it (by leaf index), the others then sharing
+        what is left.
+
+        At a given total squared error one spacing spends the fewest bits: a finer spacing
+        costs every value about the same ``log2`` of the ratio, however far the value
+        moved (the equal-slope rule of bit allocation).
+        """
+        error = self.residual_error
+        assert error is not None
+        if not self.pooled_error or len(indices) < 2:
+            return dict.fromkeys(indices, error)
+        energies = parallel_map_sized(lambda i: change_energy(leaves[i].tensor, references[i]), indices, sizes)
+        total = math.fsum(energies)
+        if not (total > 0 and math.isfinite(total)):
+            return dict.fromkeys(indices, error)
+        mean = total / sum(leaves[i].tensor.numel() for i in indices)
+        most = max(error, self.movement_share)
+        moved = [(index, energy) for index, energy in zip(indices, energies) if energy > 0]
+        # Per moved change: the share of itself it loses at a spacing scale of 1, its cap.
+        shares = [mean * leaves[index].tensor.numel() / energy for index, energy in moved]
+        limits = [min(most, caps.get(index, math.inf) / energy) for index, energy in moved]
+
+        def lost(scale: float) -> float:
+            return math.fsum(min(limit, scale * share) * energy for share, limit, (_, energy) in zip(shares, limits, moved))
+
+        # The scale at which the capped shares lose residual_error of the total: above
+        # residual_error only where caps bind (without them it loses exactly that).
+        budget, low, high = error * total, error, error
+        while lost(high) < budget and high < 1e6 * error:
+            low, high = high, 2 * high
+        for _ in range(40):
+            middle = 0.5 * (low + high)
+            low, high = (middle, high) if lost(middle) < budget else (low, middle)
+        errors = dict.fromkeys(indices, error)
+        errors.update((index, min(limit, low * share)) for (index, _), share, limit in zip(moved, shares, limits))
+        return errors
 
     def _residual_codec(
         self,

@@ -16,7 +16,7 @@ from ..codecs.low_rank import MIN_SIDE, LowRankFactors, choose_low_rank, matrix_
 from ..codecs.nonuniform_quantizer import key_centres
 from ..codecs.weighted_kmeans import distinct_float32_levels
 
-__all__ = ["MAX_EVEN_LEVELS", "change_plan", "even_levels", "even_step", "mean_levels", "spread", "step_levels"]
+__all__ = ["MAX_EVEN_LEVELS", "change_energy", "change_plan", "even_levels", "even_step", "mean_levels", "spread", "step_levels"]
 
 #: The most evenly spaced levels on each side of 0 (the id coder holds 4,096 ids: these,
 #: the zero level and the protect id); a value reaching further is rounded to the last.
@@ -186,6 +186,16 @@ def spread(values: torch.Tensor) -> tuple[float, float]:
     if values.numel() == 0:
         return 0.0, 0.0
     return float(torch.linalg.vector_norm(values)) / values.numel() ** 0.5, float(values.abs().max())
+
+
+def change_energy(tensor: torch.Tensor, reference: Optional[torch.Tensor]) -> float:
+    """The summed square of ``tensor - reference`` (of ``tensor`` with no reference), as
+    :func:`change_plan` takes the change (inf or nan where it is not finite)."""
+    compute = working_dtype(tensor.dtype)
+    change = tensor.detach().reshape(-1).to(compute)
+    if reference is not None:
+        change = change - reference.detach().to(tensor.device).reshape(-1).to(compute)
+    return float(torch.linalg.vector_norm(change, dtype=torch.float64)) ** 2
 
 
 def change_plan(
