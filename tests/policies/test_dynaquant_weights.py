@@ -817,3 +817,84 @@ def test_low_rank_changes_store_a_matrix_change_as_a_product_plus_what_it_leaves
 def test_low_rank_changes_must_be_a_bool() -> None:
     with pytest.raises(ValueError, match="low_rank_changes"):
         DynaQuant(low_rank_changes=1)  # type: ignore[arg-type]
+
+
+def _two_changes(pooled: bool) -> dict[str, tuple[int, float, float]]:
+    """Two 64 x 64 weights of a trained model, one moved 10x farther than the other since
+    their references, planned and stored: ``key -> (bytes, squared error, its share of
+    the squared change)``."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
+    optimizer = torch.optim.Adam(model.parameters(), 1e-3)
+    for step in range(3):
+        generator = torch.Generator().manual_seed(step)
+        loss = model(torch.randn(16, 64, generator=generator)).square().mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    flat = flatten({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+    keys = [format_key_path(leaf.path) for leaf in flat.tensors]
+    generator = torch.Generator().manual_seed(7)
+    changes = {
+        key: torch.randn(64, 64, generator=generator) * scale
+        for key, scale in (("model/0.weight", 1e-3), ("model/2.weight", 1e-4))
+    }
+    references = [leaf.tensor - changes[key] if key in changes else None for key, leaf in zip(keys, flat.tensors)]
+    codecs = DynaQuant(pooled_error=pooled).plan(flat.tensors, references)
+    encoded = encode_planned(flat.tensors, codecs, references)
+    stored = {}
+    for key, change in changes.items():
+        index = keys.index(key)
+        assert codecs[index].codec_id == "residual"
+        squared = float((encoded[index].reconstruction - flat.tensors[index].tensor).double().pow(2).sum())
+        size = sum(len(stream) for stream in encoded[index].streams)
+        stored[key] = (size, squared, squared / float(change.double().pow(2).sum()))
+    return stored
+
+
+def test_pooled_error_puts_the_changes_on_one_spacing_for_fewer_bytes_at_the_same_total_error() -> None:
+    plain, pooled = _two_changes(False), _two_changes(True)
+    far, near = "model/0.weight", "model/2.weight"
+    # Each change on its own: about the same share of itself lost (under residual_error).
+    assert 0.5 < plain[far][2] / plain[near][2] < 2 and plain[far][2] < 0.03
+    # One spacing: the change that moved less loses a larger share of itself (within
+    # movement_share), the far one a smaller share...
+    assert plain[near][2] < pooled[near][2] <= 0.1
+    assert pooled[far][2] < plain[far][2]
+    # ...about the same squared error in all, in fewer bytes.
+    assert pooled[far][1] + pooled[near][1] <= 1.1 * (plain[far][1] + plain[near][1])
+    assert pooled[far][0] + pooled[near][0] < 0.95 * (plain[far][0] + plain[near][0])
+    assert DynaQuant().pooled_error
+
+
+def test_pooled_shares_lose_the_whole_budget_and_respect_each_changes_cap() -> None:
+    # Four changes of 1,000 values against zero references, of mean squares 1, 1/2, 2 and
+    # 1/100. One spacing: each loses the same squared error per value, together 0.03 of
+    # their summed squared size; d would lose 2.6 of itself and is capped at movement_share.
+    values = {"a": 1.0, "b": 0.5**0.5, "c": 2.0**0.5, "d": 0.1}
+    leaves = flatten({key: torch.full((1000,), value) for key, value in values.items()}).tensors
+    references = [torch.zeros(1000)] * 4
+    energies = [1000 * value**2 for value in values.values()]
+    indices, sizes = [0, 1, 2, 3], [4000] * 4
+
+    def per_value(shares: dict[int, float]) -> list[float]:
+        return [shares[i] * energies[i] / 1000 for i in indices]
+
+    def lost(shares: dict[int, float]) -> float:
+        return sum(shares[i] * energies[i] for i in indices)
+
+    policy = DynaQuant()
+    shares = policy._change_errors(leaves, references, indices, sizes, {})
+    assert shares[3] == pytest.approx(0.1)
+    a, b, c, _ = per_value(shares)
+    assert a == pytest.approx(b, rel=1e-6) and a == pytest.approx(c, rel=1e-6)
+    assert shares[1] > shares[0] > 0.03 > shares[2]
+    assert lost(shares) == pytest.approx(0.03 * sum(energies), rel=1e-6)
+    # A cap (a squared error, by leaf index) binds on b: b loses exactly it, a and c more.
+    capped = policy._change_errors(leaves, references, indices, sizes, {1: 10.0})
+    assert capped[1] == pytest.approx(10.0 / energies[1]) and capped[3] == pytest.approx(0.1)
+    assert capped[0] > shares[0] and capped[2] > shares[2]
+    assert per_value(capped)[0] == pytest.approx(per_value(capped)[2], rel=1e-6)
+    assert lost(capped) == pytest.approx(0.03 * sum(energies), rel=1e-6)
+    # Off: every change at residual_error.
+    assert DynaQuant(pooled_error=False)._change_errors(leaves, references, indices, sizes, {}) == dict.fromkeys(indices, 0.03)
