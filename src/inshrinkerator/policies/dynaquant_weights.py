@@ -143,7 +143,7 @@ class WeightPlanning:
         """
         candidates = [
             i for i in weights.indices
-            if i in weights.moving and isinstance(codecs[i], DynaQuantDeltaCodec)
+            if i in weights.moved and isinstance(codecs[i], DynaQuantDeltaCodec)
             and 8 * encoded_size(encoded[i]) > CHANGE_TRIAL_BITS * leaves[i].tensor.numel()
         ]
         if not candidates:
@@ -152,7 +152,7 @@ class WeightPlanning:
         stats = {index: EntropyStats() for index in candidates}
         as_change = dict(zip(candidates, (codec for _, codec in self._change_codecs(
             leaves, references, layout, candidates, weights.trials,
-            {index: weights.cube.own_budget(index) for index in candidates}, stats,
+            {index: weights.cube.own_budget(index) for index in candidates}, stats, weights.moved,
         ))))
         changes = parallel_map_sized(
             lambda i: as_change[i].prepare(leaves[i].tensor, references[i]), candidates,
@@ -300,9 +300,11 @@ class WeightPlanning:
         trials: dict[int, WeightTrial],
         allowed: dict[int, float],
         stats: dict[int, EntropyStats],
+        moved: dict[int, float],
     ) -> list[tuple[int, ResidualCodec]]:
         """The codec of each weight in ``indices`` stored as its change since the reference
-        (its entropy figures into ``stats``), with the number of levels it takes.
+        (its entropy figures into ``stats``), with the number of levels it takes. ``moved``:
+        the summed squared change of each, where known.
 
         With ``residual_error`` (the default) the change is rounded to evenly spaced levels,
         ``sqrt(12 * residual_error)`` times its RMS apart, so that the rounding costs about
@@ -319,7 +321,7 @@ class WeightPlanning:
         # pooled spacing may give it, converted to a share of the change's squared size
         # (plain error; a margin for the Fisher-weighted one).
         caps = {i: POOLED_BUDGET_MARGIN * allowed[i] * trials[i].total_plain for i in indices if i in allowed}
-        return self._plain_change_codecs(leaves, references, indices, stats, caps)
+        return self._plain_change_codecs(leaves, references, indices, stats, caps, moved)
 
     def _plain_change_codecs(
         self,
@@ -328,6 +330,7 @@ class WeightPlanning:
         indices: list[int],
         stats: dict[int, EntropyStats],
         caps: Optional[dict[int, float]] = None,
+        moved: Optional[dict[int, float]] = None,
     ) -> list[tuple[int, ResidualCodec]]:
         """Like :meth:`_change_codecs`, with nothing judged per tensor: each change on evenly
         spaced levels (``residual_error``), or on ``residual_bins[0]`` k-means levels fitted
@@ -339,7 +342,7 @@ class WeightPlanning:
         # No keys hint: the encode computes the change's keys again (one cheap pass), so the
         # keys of every change are not held at once until the encodes.
         if self.residual_error is not None:
-            errors = self._change_errors(leaves, references, indices, sizes, caps or {})
+            errors = self._change_errors(leaves, references, indices, sizes, caps or {}, moved or {})
             plans = parallel_map_sized(
                 lambda i: change_plan(leaves[i].tensor, references[i], errors[i] if self.low_rank_changes else None),
                 indices, sizes,
@@ -369,6 +372,7 @@ class WeightPlanning:
         indices: list[int],
         sizes: list[int],
         caps: dict[int, float],
+        moved: Optional[dict[int, float]] = None,
     ) -> dict[int, float]:
         """The share of its squared size each change in ``indices`` loses on its evenly
         spaced levels: ``residual_error`` each, or with ``pooled_error`` the shares that put
@@ -376,7 +380,7 @@ class WeightPlanning:
         all together. A change that moved less than their mean square loses a larger share
         of itself, one that moved more a smaller share; none more than ``movement_share``
         or the squared error ``caps`` allows it (by leaf index), the others then sharing
-        what is left.
+        what is left. ``moved``: the summed squared change of each, where already known.
 
         At a given total squared error one spacing spends the fewest bits: a finer spacing
         costs every value about the same ``log2`` of the ratio, however far the value
@@ -386,7 +390,10 @@ class WeightPlanning:
         assert error is not None
         if not self.pooled_error or len(indices) < 2:
             return dict.fromkeys(indices, error)
-        energies = parallel_map_sized(lambda i: change_energy(leaves[i].tensor, references[i]), indices, sizes)
+        known = moved or {}
+        energies = parallel_map_sized(
+            lambda i: known[i] if i in known else change_energy(leaves[i].tensor, references[i]), indices, sizes
+        )
         total = math.fsum(energies)
         if not (total > 0 and math.isfinite(total)):
             return dict.fromkeys(indices, error)
@@ -564,8 +571,7 @@ class WeightPlanning:
         # it was stored. Bounding it by that "movement" would re-code the error at every
         # delta (MiniLM: its frozen layers were 31 % of every delta step).
         movable = [i for i in indices if i not in watched_frozen]
-        movement = self._movement_budgets(leaves, references, trials, movable)
-        moving = set(movement)
+        movement, moved = self._movement_budgets(leaves, references, trials, movable)
         scales: dict[int, float] = {}
         caps: dict[int, float] = {}
         if self.evaluate is None:
@@ -597,10 +603,10 @@ class WeightPlanning:
             # than their spacing), else losslessly.
             origin = tuple(0 for _ in cube.shape)
             hard = [i for i, ok in zip(indices, cube.within_own_budgets(indices, origin, MAGNITUDE)) if not ok]
-            residual = [i for i in hard if i in moving]
+            residual = [i for i in hard if i in moved]
             allowed = {i: cube.own_budget(i) for i in residual}
             figures = {i: change_stats.setdefault(i, EntropyStats()) for i in residual}
-            coded = self._change_codecs(leaves, references, layout, residual, trials, allowed, figures)
+            coded = self._change_codecs(leaves, references, layout, residual, trials, allowed, figures, moved)
             for index, (levels, codec) in zip(residual, coded):
                 codecs[index] = codec
                 residual_levels[levels] = residual_levels.get(levels, 0) + 1
@@ -663,7 +669,7 @@ class WeightPlanning:
                 protect_mask=result.protect_mask,
                 stats=stats[index],
             )
-        return _WeightPlan(indices, trials, cube, record, budget, self.evaluate, scales, moving, stats)
+        return _WeightPlan(indices, trials, cube, record, budget, self.evaluate, scales, moved, stats)
 
     @staticmethod
     def _describe(
@@ -688,9 +694,10 @@ class WeightPlanning:
         references: Sequence[Optional[torch.Tensor]],
         trials: dict[int, WeightTrial],
         indices: list[int],
-    ) -> dict[int, float]:
+    ) -> tuple[dict[int, float], dict[int, float]]:
         """For each weight that moved since its reference: ``movement_share`` of its squared
-        change relative to its energy, the most of its proxy error a restore may lose.
+        change relative to its energy, the most of its proxy error a restore may lose; and
+        that squared change.
 
         After a restore the run continues from the stored values: an element that moved
         less than its cell since the last checkpoint is put back on its old level, and the
@@ -699,6 +706,7 @@ class WeightPlanning:
         checkpoint, below the 1.5e-4 error of 128 levels) lost half its accuracy.
         """
         budgets: dict[int, float] = {}
+        squared: dict[int, float] = {}
         for index in indices:
             tensor = leaves[index].tensor
             reference = usable_reference(tensor, references[index])
@@ -709,7 +717,8 @@ class WeightPlanning:
             if not moved > 0:  # unchanged (nothing to lose) or not finite
                 continue
             budgets[index] = self.movement_share * moved / max(trials[index].total_plain, 1e-300)
-        return budgets
+            squared[index] = moved
+        return budgets, squared
 
 
 @dataclass
@@ -723,8 +732,9 @@ class _WeightPlan:
     budget: float
     evaluate: Optional[Callable[[dict[str, torch.Tensor]], float]]
     scales: dict[int, float]
-    #: the weights that moved since their reference (each has a movement budget)
-    moving: set[int]
+    #: the weights that moved since their reference (each has a movement budget): their
+    #: summed squared change
+    moved: dict[int, float]
     #: each weight's entropy figures, of the encoding to be stored
     stats: dict[int, EntropyStats]
 
