@@ -26,7 +26,7 @@ from ..codecs.unchanged import UnchangedCodec
 from ..tree import TensorLeaf, format_key_path
 from .base import encoded_size, leaf_nbytes, usable_reference
 from .dynaquant_search import ConfigurationCube, Point, SearchRecord
-from .even_levels import change_energy, change_plan, step_levels
+from .even_levels import change_energy, change_plan, pooled_shares, step_levels
 from .quantization_trials import MAGNITUDE, TrialConfig, WeightTrial
 from .state_layout import StateLayout, TensorRole
 
@@ -394,30 +394,10 @@ class WeightPlanning:
         energies = parallel_map_sized(
             lambda i: known[i] if i in known else change_energy(leaves[i].tensor, references[i]), indices, sizes
         )
-        total = math.fsum(energies)
-        if not (total > 0 and math.isfinite(total)):
-            return dict.fromkeys(indices, error)
-        mean = total / sum(leaves[i].tensor.numel() for i in indices)
         most = max(error, self.movement_share)
-        moved = [(index, energy) for index, energy in zip(indices, energies) if energy > 0]
-        # Per moved change: the share of itself it loses at a spacing scale of 1, its cap.
-        shares = [mean * leaves[index].tensor.numel() / energy for index, energy in moved]
-        limits = [min(most, caps.get(index, math.inf) / energy) for index, energy in moved]
-
-        def lost(scale: float) -> float:
-            return math.fsum(min(limit, scale * share) * energy for share, limit, (_, energy) in zip(shares, limits, moved))
-
-        # The scale at which the capped shares lose residual_error of the total: above
-        # residual_error only where caps bind (without them it loses exactly that).
-        budget, low, high = error * total, error, error
-        while lost(high) < budget and high < 1e6 * error:
-            low, high = high, 2 * high
-        for _ in range(40):
-            middle = 0.5 * (low + high)
-            low, high = (middle, high) if lost(middle) < budget else (low, middle)
-        errors = dict.fromkeys(indices, error)
-        errors.update((index, min(limit, low * share)) for (index, _), share, limit in zip(moved, shares, limits))
-        return errors
+        limits = [min(most, caps.get(index, math.inf) / energy) if energy > 0 else error for index, energy in zip(indices, energies)]
+        shares = pooled_shares(energies, [leaves[i].tensor.numel() for i in indices], error, limits)
+        return dict(zip(indices, shares))
 
     def _residual_codec(
         self,

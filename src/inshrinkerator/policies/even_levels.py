@@ -16,7 +16,7 @@ from ..codecs.low_rank import MIN_SIDE, LowRankFactors, choose_low_rank, matrix_
 from ..codecs.nonuniform_quantizer import key_centres
 from ..codecs.weighted_kmeans import distinct_float32_levels
 
-__all__ = ["MAX_EVEN_LEVELS", "change_energy", "change_plan", "even_levels", "even_step", "mean_levels", "spread", "step_levels"]
+__all__ = ["MAX_EVEN_LEVELS", "change_energy", "change_plan", "pooled_shares", "even_levels", "even_step", "mean_levels", "spread", "step_levels"]
 
 #: The most evenly spaced levels on each side of 0 (the id coder holds 4,096 ids: these,
 #: the zero level and the protect id); a value reaching further is rounded to the last.
@@ -196,6 +196,40 @@ def change_energy(tensor: torch.Tensor, reference: Optional[torch.Tensor]) -> fl
     if reference is not None:
         change = change - reference.detach().to(tensor.device).reshape(-1).to(compute)
     return float(torch.linalg.vector_norm(change, dtype=torch.float64)) ** 2
+
+
+def pooled_shares(energies: list[float], counts: list[int], error: float, limits: list[float]) -> list[float]:
+    """The share of its own squared size each of several tensors loses when they are all
+    rounded at one spacing that loses ``error`` of their summed squared size (``energies``:
+    each one's summed square, ``counts``: its values): a tensor whose mean square is below
+    the mean loses a larger share, one above it a smaller share, none more than its
+    ``limits`` entry; where limits bind, the others share what is left. A tensor of no
+    (or no finite) energy, or a set without any, keeps ``error``.
+
+    At a given total squared error one spacing spends the fewest bits: a finer spacing
+    costs every value about the same ``log2`` of the ratio (the equal-slope rule of bit
+    allocation).
+    """
+    total = math.fsum(energies)
+    if len(energies) < 2 or not (total > 0 and math.isfinite(total)):
+        return [error] * len(energies)
+    mean = total / sum(counts)
+    # Per tensor of positive energy: the share of itself it loses at a scale of 1, its limit.
+    terms = [(mean * count / energy, limit, energy) for energy, count, limit in zip(energies, counts, limits) if energy > 0]
+
+    def lost(scale: float) -> float:
+        return math.fsum(min(limit, scale * share) * energy for share, limit, energy in terms)
+
+    # The scale at which the limited shares lose ``error`` of the total: above ``error``
+    # only where limits bind (without them the shares lose exactly that).
+    budget, low, high = error * total, error, error
+    while lost(high) < budget and high < 1e6 * error:
+        low, high = high, 2 * high
+    for _ in range(40):
+        middle = 0.5 * (low + high)
+        low, high = (middle, high) if lost(middle) < budget else (low, middle)
+    shares = iter(min(limit, low * share) for share, limit, _ in terms)
+    return [next(shares) if energy > 0 else error for energy in energies]
 
 
 def change_plan(
