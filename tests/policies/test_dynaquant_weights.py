@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import math
 
 import pytest
 import torch
@@ -898,3 +899,16 @@ def test_pooled_shares_lose_the_whole_budget_and_respect_each_changes_cap() -> N
     assert lost(capped) == pytest.approx(0.03 * sum(energies), rel=1e-6)
     # Off: every change at residual_error.
     assert DynaQuant(pooled_error=False)._change_errors(leaves, references, indices, sizes, {}) == dict.fromkeys(indices, 0.03)
+
+
+def test_pooled_shares_keep_the_plain_share_where_there_is_nothing_to_pool() -> None:
+    from inshrinkerator.policies.even_levels import pooled_shares
+
+    # A tensor that did not move keeps the plain share and the others pool without it.
+    shares = pooled_shares([0.0, 100.0, 400.0], [100, 100, 100], 0.03, [1.0] * 3)
+    assert shares[0] == 0.03 and shares[1] == pytest.approx(4 * shares[2], rel=1e-6)
+    assert shares[1] * 100 + shares[2] * 400 == pytest.approx(0.03 * 500, rel=1e-6)
+    # Non-finite energy (a tensor holding inf or nan), a single tensor: nothing pooled.
+    assert pooled_shares([math.inf, 1.0], [10, 10], 0.03, [1.0, 1.0]) == [0.03, 0.03]
+    assert pooled_shares([math.nan, 1.0], [10, 10], 0.03, [1.0, 1.0]) == [0.03, 0.03]
+    assert pooled_shares([5.0], [10], 0.03, [1.0]) == [0.03]
