@@ -25,7 +25,7 @@ from ..codecs.low_rank import GroupedLowRankCodec
 from ..codecs.nonuniform_quantizer import LOG, LevelTable, fit_centroids_batch
 from ..tree import TensorLeaf, format_key_path
 from .base import encoded_size, leaf_nbytes, usable_reference
-from .even_levels import change_energy, change_plan, even_levels, pooled_shares, spread
+from .even_levels import change_plan, even_levels, spread
 from .first_moment_levels import zero_level_hints_batch
 from .quantization_trials import quantile_key
 from .state_layout import StateLayout, TensorRole
@@ -33,7 +33,7 @@ from .state_layout import StateLayout, TensorRole
 if TYPE_CHECKING:
     from .dynaquant import _Memory
 
-__all__ = ["FIRST_MOMENT_POOLED_LIMIT", "RESTART_STEP_GROWTH", "MomentPlanning", "restart_step_growth"]
+__all__ = ["RESTART_STEP_GROWTH", "MomentPlanning", "restart_step_growth"]
 
 #: The joint moment mask is used where a restart grows Adam's steps at most this much
 #: (:func:`restart_step_growth`): the first moment's levels never more than double an
@@ -48,10 +48,6 @@ MOMENT_ROLES = _FIRST_ORDER + _POSITIVE
 SECOND_MOMENT_PROTECT = 0.005
 #: The share of a whole first moment's estimated bits a low-rank product must save.
 FIRST_MOMENT_LOW_RANK_MARGIN = 0.15
-
-#: With ``pooled_error``, no first moment kept whole loses more than this many times
-#: ``first_moment_error`` of itself.
-FIRST_MOMENT_POOLED_LIMIT = 2.0
 #: Level-count factor of the moments of tensors under ``min_numel`` (biases, norm layers).
 SMALL_MOMENT_LEVEL_FACTOR = 2
 #: The most levels a moment may have (the knobs' bound, and the factor's cap).
@@ -72,7 +68,6 @@ class MomentPlanning:
     stickiness: float
     moment_bins: int
     first_moment_error: Optional[float]
-    pooled_error: bool
     low_rank_first_moments: bool
     momentum_bins: int
     second_moment_bins: int
@@ -110,11 +105,9 @@ class MomentPlanning:
             )
         ]
         joint_masks = self._joint_masks(leaves, layout, items, first_keep, betas)
-        errors = self._first_moment_errors(leaves, items, first_keep)
         sketched = parallel_map_sized(
             lambda item: self._sketch_moment(
-                leaves, references, layout, *item, first_keep, momentum_keep, joint_masks.get(item[0]),
-                errors.get(item[0]),
+                leaves, references, layout, *item, first_keep, momentum_keep, joint_masks.get(item[0])
             ),
             items, [leaf_nbytes(leaves[index]) for index, _ in items],
         )
@@ -153,51 +146,27 @@ class MomentPlanning:
                 plan = grouped[index]
             codecs[index] = plan.finish(self._memory) if isinstance(plan, _MomentPlan) else plan
         if self.low_rank_first_moments and self.first_moment_error is not None and first_keep >= 1.0:
-            self._factor_first_moments(leaves, codecs, [i for i in grouped if i not in chosen_later], errors)
+            self._factor_first_moments(leaves, codecs, [i for i in grouped if i not in chosen_later])
         return choices
 
-    def _first_moment_errors(
-        self, leaves: Sequence[TensorLeaf], items: Sequence[tuple[int, TensorRole]], first_keep: float
-    ) -> dict[int, float]:
-        """The share of its squared size each Adam first moment kept whole (of a weight of at
-        least ``min_numel``) loses on its evenly spaced levels: ``first_moment_error`` each,
-        or with ``pooled_error`` the shares that put them all on one spacing and lose
-        ``first_moment_error`` of their summed squared size together, none more than
-        ``FIRST_MOMENT_POOLED_LIMIT`` times ``first_moment_error`` (:func:`pooled_shares`)."""
-        error = self.first_moment_error
-        if error is None or first_keep < 1.0:
-            return {}
-        indices = [
-            index for index, role in items
-            if role is TensorRole.FIRST_MOMENT and leaves[index].tensor.numel() >= self.min_numel
-        ]
-        if not self.pooled_error:
-            return dict.fromkeys(indices, error)
-        energies = parallel_map_sized(
-            lambda i: change_energy(leaves[i].tensor, None), indices, [leaf_nbytes(leaves[i]) for i in indices]
-        )
-        limit = FIRST_MOMENT_POOLED_LIMIT * error
-        shares = pooled_shares(energies, [leaves[i].tensor.numel() for i in indices], error, [limit] * len(indices))
-        return dict(zip(indices, shares))
-
-    def _factor_first_moments(
-        self, leaves: Sequence[TensorLeaf], codecs: list[Codec], indices: list[int], errors: dict[int, float]
-    ) -> None:
+    def _factor_first_moments(self, leaves: Sequence[TensorLeaf], codecs: list[Codec], indices: list[int]) -> None:
         """Adam's first moments kept whole and coded per octave of their second moment
         (``indices``), stored instead as a low-rank product plus what it leaves where that
         is estimated to take 15 % fewer bits (``GroupedLowRankCodec``): the leftover on
         the same evenly spaced levels, its ids still per octave. The margin is wider than
         a weight change's, since the octaves take ~9 % off the moment itself."""
-        indices = [i for i in indices if type(codecs[i]) is DynaQuantGroupedCodec and i in errors]
+        error = self.first_moment_error
+        assert error is not None
+        indices = [i for i in indices if type(codecs[i]) is DynaQuantGroupedCodec]
         plans = parallel_map_sized(
-            lambda i: change_plan(leaves[i].tensor, None, errors[i], FIRST_MOMENT_LOW_RANK_MARGIN),
+            lambda i: change_plan(leaves[i].tensor, None, error, FIRST_MOMENT_LOW_RANK_MARGIN),
             indices, [leaf_nbytes(leaves[i]) for i in indices],
         )
         for index, (histogram, rms, largest, factors) in zip(indices, plans):
             if factors is None:
                 continue
             grouped: DynaQuantGroupedCodec = codecs[index]  # type: ignore[assignment]
-            centroids, prune_below = even_levels(rms, largest, errors[index])
+            centroids, prune_below = even_levels(rms, largest, error)
             inner = grouped.rehinted(counts=histogram, centroids=centroids, prune_below=prune_below)
             codec = GroupedLowRankCodec(inner, factors.rank).with_factors(factors)
             codecs[index] = codec.against(grouped.context_key)  # type: ignore[arg-type]
@@ -239,7 +208,6 @@ class MomentPlanning:
         first_keep: float,
         momentum_keep: float,
         joint_mask: Optional[torch.Tensor] = None,
-        error: Optional[float] = None,
     ) -> "Codec | _MomentPlan | tuple[_MomentPlan, _MomentPlan]":
         """The codec of one first or second moment, or what is left to fit of it (reads the
         policy's memory; the codec writes back the levels it fits when it encodes);
@@ -247,8 +215,7 @@ class MomentPlanning:
         momentum buffer kept at this checkpoint;
         ``joint_mask``: the entry's first-moment pruning mask, shared with its second moment
         (:meth:`_joint_masks`); a second moment given one (and stored against a reference)
-        returns both plans, whole and with the first moment's zeros; ``error``: the share
-        of its squared size a first moment kept whole loses (:meth:`_first_moment_errors`)."""
+        returns both plans, whole and with the first moment's zeros."""
         tensor = leaves[index].tensor.detach()
         key = format_key_path(leaves[index].path)
         if role is TensorRole.SECOND_MOMENT and self._factored(tensor):
@@ -275,8 +242,7 @@ class MomentPlanning:
             whole = keep >= 1.0 and not small and role is TensorRole.FIRST_MOMENT
             if whole and self.first_moment_error is not None:
                 # Every entry kept: evenly spaced levels, with the zero cell below half a step.
-                share = self.first_moment_error if error is None else error
-                centroids, prune_below = even_levels(*spread(tensor.reshape(-1).float()), share)
+                centroids, prune_below = even_levels(*spread(tensor.reshape(-1).float()), self.first_moment_error)
                 extra, zero_levels = {"centroids": centroids, "prune_below": prune_below}, None
             else:
                 extra, zero_levels = self._first_moment_hints(tensor, keys, counts, role, partner, keep, bins, joint_mask)
