@@ -885,20 +885,20 @@ def test_pooled_shares_lose_the_whole_budget_and_respect_each_changes_cap() -> N
         return sum(shares[i] * energies[i] for i in indices)
 
     policy = DynaQuant()
-    shares = policy._change_errors(leaves, references, indices, sizes, {})
+    shares = policy._change_errors(leaves, references, indices, sizes, {}, {})
     assert shares[3] == pytest.approx(0.1)
     a, b, c, _ = per_value(shares)
     assert a == pytest.approx(b, rel=1e-6) and a == pytest.approx(c, rel=1e-6)
     assert shares[1] > shares[0] > 0.03 > shares[2]
     assert lost(shares) == pytest.approx(0.03 * sum(energies), rel=1e-6)
     # A cap (a squared error, by leaf index) binds on b: b loses exactly it, a and c more.
-    capped = policy._change_errors(leaves, references, indices, sizes, {1: 10.0})
+    capped = policy._change_errors(leaves, references, indices, sizes, {1: 10.0}, {})
     assert capped[1] == pytest.approx(10.0 / energies[1]) and capped[3] == pytest.approx(0.1)
     assert capped[0] > shares[0] and capped[2] > shares[2]
     assert per_value(capped)[0] == pytest.approx(per_value(capped)[2], rel=1e-6)
     assert lost(capped) == pytest.approx(0.03 * sum(energies), rel=1e-6)
     # Off: every change at residual_error.
-    assert DynaQuant(pooled_error=False)._change_errors(leaves, references, indices, sizes, {}) == dict.fromkeys(indices, 0.03)
+    assert DynaQuant(pooled_error=False)._change_errors(leaves, references, indices, sizes, {}, {}) == dict.fromkeys(indices, 0.03)
 
 
 def test_pooled_shares_keep_the_plain_share_where_there_is_nothing_to_pool() -> None:

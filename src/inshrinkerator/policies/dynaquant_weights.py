@@ -343,9 +343,9 @@ class WeightPlanning:
         # keys of every change are not held at once until the encodes.
         if self.residual_error is not None:
             errors = self._change_errors(leaves, references, indices, sizes, caps or {}, moved or {})
+            factor_errors = errors if self.low_rank_changes else {}
             plans = parallel_map_sized(
-                lambda i: change_plan(leaves[i].tensor, references[i], errors[i] if self.low_rank_changes else None),
-                indices, sizes,
+                lambda i: change_plan(leaves[i].tensor, references[i], factor_errors.get(i)), indices, sizes
             )
             coded: list[tuple[int, ResidualCodec]] = []
             for index, (histogram, rms, largest, factors) in zip(indices, plans):
@@ -372,7 +372,7 @@ class WeightPlanning:
         indices: list[int],
         sizes: list[int],
         caps: dict[int, float],
-        moved: Optional[dict[int, float]] = None,
+        moved: dict[int, float],
     ) -> dict[int, float]:
         """The share of its squared size each change in ``indices`` loses on its evenly
         spaced levels: ``residual_error`` each, or with ``pooled_error`` the shares that put
@@ -380,22 +380,21 @@ class WeightPlanning:
         all together. A change that moved less than their mean square loses a larger share
         of itself, one that moved more a smaller share; none more than ``movement_share``
         or the squared error ``caps`` allows it (by leaf index), the others then sharing
-        what is left. ``moved``: the summed squared change of each, where already known.
-
-        At a given total squared error one spacing spends the fewest bits: a finer spacing
-        costs every value about the same ``log2`` of the ratio, however far the value
-        moved (the equal-slope rule of bit allocation).
+        what is left (:func:`~.even_levels.pooled_shares`). ``moved``: the summed squared
+        change of each, where already known.
         """
         error = self.residual_error
         assert error is not None
         if not self.pooled_error or len(indices) < 2:
             return dict.fromkeys(indices, error)
-        known = moved or {}
         energies = parallel_map_sized(
-            lambda i: known[i] if i in known else change_energy(leaves[i].tensor, references[i]), indices, sizes
+            lambda i: moved[i] if i in moved else change_energy(leaves[i].tensor, references[i]), indices, sizes
         )
         most = max(error, self.movement_share)
-        limits = [min(most, caps.get(index, math.inf) / energy) if energy > 0 else error for index, energy in zip(indices, energies)]
+        limits = [
+            min(most, caps.get(index, math.inf) / energy) if energy > 0 else error
+            for index, energy in zip(indices, energies)
+        ]
         shares = pooled_shares(energies, [leaves[i].tensor.numel() for i in indices], error, limits)
         return dict(zip(indices, shares))
 

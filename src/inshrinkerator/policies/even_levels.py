@@ -16,7 +16,10 @@ from ..codecs.low_rank import MIN_SIDE, LowRankFactors, choose_low_rank, matrix_
 from ..codecs.nonuniform_quantizer import key_centres
 from ..codecs.weighted_kmeans import distinct_float32_levels
 
-__all__ = ["MAX_EVEN_LEVELS", "change_energy", "change_plan", "pooled_shares", "even_levels", "even_step", "mean_levels", "spread", "step_levels"]
+__all__ = [
+    "MAX_EVEN_LEVELS", "change_energy", "change_plan", "even_levels", "even_step", "mean_levels", "pooled_shares",
+    "spread", "step_levels",
+]
 
 #: The most evenly spaced levels on each side of 0 (the id coder holds 4,096 ids: these,
 #: the zero level and the protect id); a value reaching further is rounded to the last.
@@ -215,7 +218,10 @@ def pooled_shares(energies: list[float], counts: list[int], error: float, limits
         return [error] * len(energies)
     mean = total / sum(counts)
     # Per tensor of positive energy: the share of itself it loses at a scale of 1, its limit.
-    terms = [(mean * count / energy, limit, energy) for energy, count, limit in zip(energies, counts, limits) if energy > 0]
+    terms = [
+        (mean * count / energy, limit, energy)
+        for energy, count, limit in zip(energies, counts, limits) if energy > 0
+    ]
 
     def lost(scale: float) -> float:
         return math.fsum(min(limit, scale * share) * energy for share, limit, energy in terms)
