@@ -191,14 +191,18 @@ def spread(values: torch.Tensor) -> tuple[float, float]:
     return float(torch.linalg.vector_norm(values)) / values.numel() ** 0.5, float(values.abs().max())
 
 
+def _flat_change(tensor: torch.Tensor, reference: Optional[torch.Tensor]) -> torch.Tensor:
+    """``tensor - reference`` (``tensor`` with no reference), flat, in the working dtype."""
+    change = tensor.detach().reshape(-1).to(working_dtype(tensor.dtype))
+    if reference is not None:
+        change = change - reference.detach().to(tensor.device).reshape(-1).to(change.dtype)
+    return change
+
+
 def change_energy(tensor: torch.Tensor, reference: Optional[torch.Tensor]) -> float:
     """The summed square of ``tensor - reference`` (of ``tensor`` with no reference), as
     :func:`change_plan` takes the change (inf or nan where it is not finite)."""
-    compute = working_dtype(tensor.dtype)
-    change = tensor.detach().reshape(-1).to(compute)
-    if reference is not None:
-        change = change - reference.detach().to(tensor.device).reshape(-1).to(compute)
-    return float(torch.linalg.vector_norm(change, dtype=torch.float64)) ** 2
+    return float(torch.linalg.vector_norm(_flat_change(tensor, reference), dtype=torch.float64)) ** 2
 
 
 def pooled_shares(energies: list[float], counts: list[int], error: float, limits: list[float]) -> list[float]:
@@ -248,10 +252,8 @@ def change_plan(
     ``margin`` of the estimated bits) plus what it leaves, which the histogram and the
     largest magnitude then describe; ``rms`` is always the matrix's own. The product is
     formed again when the codec encodes, rather than held for every tensor until then."""
-    compute = working_dtype(tensor.dtype)
-    change = tensor.detach().reshape(-1).to(compute)
-    if reference is not None:
-        change = change - reference.detach().to(tensor.device).reshape(-1).to(compute)
+    change = _flat_change(tensor, reference)
+    compute = change.dtype
     rms, largest = spread(change)
     factors = None
     shape = matrix_shape(tensor.shape)
