@@ -820,10 +820,12 @@ def test_low_rank_changes_must_be_a_bool() -> None:
         DynaQuant(low_rank_changes=1)  # type: ignore[arg-type]
 
 
-def _two_changes(pooled: bool) -> dict[str, tuple[int, float, float]]:
-    """Two 64 x 64 weights of a trained model, one moved 10x farther than the other since
-    their references, planned and stored: ``key -> (bytes, squared error, its share of
-    the squared change)``."""
+def _two_changes(
+    pooled: bool, scales: tuple[float, float] = (1e-3, 1e-4), sharper: float = 1.0, fisher_pooling: bool = True
+) -> dict[str, tuple[int, float, float, float]]:
+    """Two 64 x 64 weights of a trained model, moved by ``scales`` since their references
+    (the first weight's second moment ``sharper`` times its own), planned and stored:
+    ``key -> (bytes, squared error, its share of the squared change, mean second moment)``."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
     optimizer = torch.optim.Adam(model.parameters(), 1e-3)
@@ -833,23 +835,25 @@ def _two_changes(pooled: bool) -> dict[str, tuple[int, float, float]]:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+    optimizer.state[model[0].weight]["exp_avg_sq"].mul_(sharper)
     flat = flatten({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
     keys = [format_key_path(leaf.path) for leaf in flat.tensors]
     generator = torch.Generator().manual_seed(7)
     changes = {
         key: torch.randn(64, 64, generator=generator) * scale
-        for key, scale in (("model/0.weight", 1e-3), ("model/2.weight", 1e-4))
+        for key, scale in zip(("model/0.weight", "model/2.weight"), scales)
     }
     references = [leaf.tensor - changes[key] if key in changes else None for key, leaf in zip(keys, flat.tensors)]
-    codecs = DynaQuant(pooled_error=pooled).plan(flat.tensors, references)
+    codecs = DynaQuant(pooled_error=pooled, fisher_pooling=fisher_pooling).plan(flat.tensors, references)
     encoded = encode_planned(flat.tensors, codecs, references)
     stored = {}
-    for key, change in changes.items():
+    for key, change, second in zip(changes, changes.values(), ("optimizer/state/0/exp_avg_sq", "optimizer/state/2/exp_avg_sq")):
         index = keys.index(key)
         assert codecs[index].codec_id == "residual"
         squared = float((encoded[index].reconstruction - flat.tensors[index].tensor).double().pow(2).sum())
         size = sum(len(stream) for stream in encoded[index].streams)
-        stored[key] = (size, squared, squared / float(change.double().pow(2).sum()))
+        fisher = float(flat.tensors[keys.index(second)].tensor.double().mean())
+        stored[key] = (size, squared, squared / float(change.double().pow(2).sum()), fisher)
     return stored
 
 
@@ -866,6 +870,48 @@ def test_pooled_error_puts_the_changes_on_one_spacing_for_fewer_bytes_at_the_sam
     assert pooled[far][1] + pooled[near][1] <= 1.1 * (plain[far][1] + plain[near][1])
     assert pooled[far][0] + pooled[near][0] < 0.95 * (plain[far][0] + plain[near][0])
     assert DynaQuant().pooled_error
+
+
+def test_fisher_pooling_rounds_the_change_the_loss_is_more_sensitive_to_more_finely() -> None:
+    # Two changes of the same size; the first weight's second moment is 30x the second's.
+    scales = (1e-3, 1e-3)
+    plain = _two_changes(True, scales, sharper=30.0, fisher_pooling=False)
+    weighted = _two_changes(True, scales, sharper=30.0)
+    sharp, flat_ = "model/0.weight", "model/2.weight"
+    assert weighted[sharp][3] > 10 * weighted[flat_][3]
+    # One plain spacing: about the same share each.
+    assert 0.8 < plain[sharp][2] / plain[flat_][2] < 1.25
+    # Weighed by the Fisher mean: the other change loses a much larger share (up to its
+    # cap, 0.8 of movement_share), the sensitive one a little less...
+    assert 2 * plain[flat_][2] < weighted[flat_][2] <= 0.1
+    assert weighted[sharp][2] < plain[sharp][2]
+
+    def fisher_error(stored: dict[str, tuple[int, float, float, float]]) -> float:
+        return sum(squared * fisher for _, squared, _, fisher in stored.values())
+
+    # ...at no more Fisher-weighted error, in fewer bytes.
+    assert fisher_error(weighted) <= 1.1 * fisher_error(plain)
+    assert weighted[sharp][0] + weighted[flat_][0] < plain[sharp][0] + plain[flat_][0]
+    assert DynaQuant().fisher_pooling
+
+
+def test_fisher_pooling_weighs_each_change_by_its_fisher_mean() -> None:
+    # Two changes of 1,000 values of the same size, Fisher means 1 and 2.
+    leaves = flatten({key: torch.full((1000,), 1.0) for key in "ab"}).tensors
+    references = [torch.zeros(1000)] * 2
+    indices, sizes, fisher = [0, 1], [4000] * 2, {0: 1.0, 1: 2.0}
+    shares = DynaQuant()._change_errors(leaves, references, indices, sizes, {}, {}, fisher)
+    # Squared error per value inversely proportional to the Fisher mean, and the
+    # Fisher-weighted error lost is 0.03 of the Fisher-weighted squared size.
+    assert shares[0] == pytest.approx(2 * shares[1], rel=1e-6) and shares[0] < 0.1
+    assert shares[0] * 1000 * 1.0 + shares[1] * 1000 * 2.0 == pytest.approx(0.03 * 3000, rel=1e-6)
+    # Off, or a change without a Fisher mean: the plain pool (here 0.03 each).
+    unweighted = [0.03, 0.03]
+    assert list(DynaQuant(fisher_pooling=False)._change_errors(leaves, references, indices, sizes, {}, {}, fisher).values()) == pytest.approx(unweighted)
+    assert list(DynaQuant()._change_errors(leaves, references, indices, sizes, {}, {}, {0: 1.0}).values()) == pytest.approx(unweighted)
+    assert list(DynaQuant()._change_errors(leaves, references, indices, sizes, {}, {}, {0: 1.0, 1: 0.0}).values()) == pytest.approx(unweighted)
+    with pytest.raises(ValueError, match="fisher_pooling"):
+        DynaQuant(fisher_pooling="yes")  # type: ignore[arg-type]
 
 
 def test_pooled_shares_lose_the_whole_budget_and_respect_each_changes_cap() -> None:

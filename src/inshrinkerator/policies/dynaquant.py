@@ -264,6 +264,14 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
             the digits SGD run's 3 %, the others 0.2-0.3 %, at the same accuracy
             (docs/dynaquant-measurements.md, *One spacing for all the changes*). False:
             each change at ``residual_error`` of its own squared size.
+        fisher_pooling: with ``pooled_error``, each change's squared size is weighed by
+            its weight's mean Fisher diagonal (the Adam second moment, or the watched
+            squared gradients) before the pooling: the spacing is finer where the loss is
+            more sensitive to the weight, coarser where it is less, at the Fisher-weighted
+            error that each change at ``residual_error`` would lose (the quality proxy's
+            measure). Where some change has no Fisher diagonal the pool is unweighted.
+            False: one spacing for all (docs/dynaquant-measurements.md, *Weighing the
+            pooled changes by their Fisher diagonal*).
         residual_bins: with ``residual_error=None``, the k-means levels tried, most first,
             for a weight stored as its change: it takes the fewest whose error stays within
             its budget (the first when none does). 10 alone ended MiniLM's 8 yardstick seeds
@@ -313,6 +321,7 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
     residual_error: Optional[float] = 0.03
     cell_means: bool = False
     pooled_error: bool = True
+    fisher_pooling: bool = True
     min_numel: int = 1024
     moment_min_numel: int = 64
     small_min_numel: int = 64
@@ -337,7 +346,7 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
         _check_number("sigma", self.sigma, 0.0, 1.0)
         _check_number("stickiness", self.stickiness, 0.0, 4.0)
         for knob in ("precision_only_grows", "joint_moment_mask", "first_moment_octaves", "sign_grouped_changes", "low_rank_changes",
-                     "low_rank_first_moments", "cell_means", "pooled_error"):
+                     "low_rank_first_moments", "cell_means", "pooled_error", "fisher_pooling"):
             if not isinstance(getattr(self, knob), bool):
                 raise ValueError(f"{knob} must be a bool, got {getattr(self, knob)!r}")
         _check_number("first_moment_keep", self.first_moment_keep, 0.0, 1.0)

@@ -79,6 +79,7 @@ class WeightPlanning:
     residual_error: Optional[float]
     cell_means: bool
     pooled_error: bool
+    fisher_pooling: bool
     sign_grouped_changes: bool
     low_rank_changes: bool
     min_numel: int
@@ -321,7 +322,9 @@ class WeightPlanning:
         # pooled spacing may give it, converted to a share of the change's squared size
         # (plain error; a margin for the Fisher-weighted one).
         caps = {i: POOLED_BUDGET_MARGIN * allowed[i] * trials[i].total_plain for i in indices if i in allowed}
-        return self._plain_change_codecs(leaves, references, indices, stats, caps, moved)
+        # The mean of each weight's Fisher diagonal (the proxy's weights), where it has one.
+        fisher = {i: trials[i].mean_weight for i in indices if trials[i].weights is not None}
+        return self._plain_change_codecs(leaves, references, indices, stats, caps, moved, fisher)
 
     def _plain_change_codecs(
         self,
@@ -331,6 +334,7 @@ class WeightPlanning:
         stats: dict[int, EntropyStats],
         caps: Optional[dict[int, float]] = None,
         moved: Optional[dict[int, float]] = None,
+        fisher: Optional[dict[int, float]] = None,
     ) -> list[tuple[int, ResidualCodec]]:
         """Like :meth:`_change_codecs`, with nothing judged per tensor: each change on evenly
         spaced levels (``residual_error``), or on ``residual_bins[0]`` k-means levels fitted
@@ -342,7 +346,7 @@ class WeightPlanning:
         # No keys hint: the encode computes the change's keys again (one cheap pass), so the
         # keys of every change are not held at once until the encodes.
         if self.residual_error is not None:
-            errors = self._change_errors(leaves, references, indices, sizes, caps or {}, moved or {})
+            errors = self._change_errors(leaves, references, indices, sizes, caps or {}, moved or {}, fisher or {})
             factor_errors = errors if self.low_rank_changes else {}
             plans = parallel_map_sized(
                 lambda i: change_plan(leaves[i].tensor, references[i], factor_errors.get(i)), indices, sizes
@@ -373,6 +377,7 @@ class WeightPlanning:
         sizes: list[int],
         caps: dict[int, float],
         moved: dict[int, float],
+        fisher: Optional[dict[int, float]] = None,
     ) -> dict[int, float]:
         """The share of its squared size each change in ``indices`` loses on its evenly
         spaced levels: ``residual_error`` each, or with ``pooled_error`` the shares that put
@@ -382,6 +387,12 @@ class WeightPlanning:
         or the squared error ``caps`` allows it (by leaf index), the others then sharing
         what is left (:func:`~.even_levels.pooled_shares`). ``moved``: the summed squared
         change of each, where already known.
+
+        With ``fisher_pooling`` and a mean Fisher diagonal for every change (``fisher``, by
+        leaf index), each change's squared size is weighed by it: the shares then put
+        each change's values at a squared error inversely proportional to its Fisher
+        mean, and the Fisher-weighted error lost is ``residual_error`` of the changes'
+        Fisher-weighted squared size, as with each change at ``residual_error``.
         """
         error = self.residual_error
         assert error is not None
@@ -395,6 +406,8 @@ class WeightPlanning:
             min(most, caps.get(index, math.inf) / energy) if energy > 0 else error
             for index, energy in zip(indices, energies)
         ]
+        if self.fisher_pooling and fisher and all(fisher.get(i, 0.0) > 0 for i in indices):
+            energies = [energy * fisher[i] for i, energy in zip(indices, energies)]
         shares = pooled_shares(energies, [leaves[i].tensor.numel() for i in indices], error, limits)
         return dict(zip(indices, shares))
 
