@@ -45,7 +45,7 @@ CHANGE_TRIAL_BITS = 1.5
 
 #: With ``pooled_error``, a change's share of the pooled error stays within this much of
 #: its own budget (in plain squared error): the budget also bounds the Fisher-weighted
-#: error, which the pooling does not see.
+#: error, which the pooling sees only as each weight's mean (``fisher_pooling``).
 POOLED_BUDGET_MARGIN = 0.8
 
 

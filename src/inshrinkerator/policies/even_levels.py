@@ -215,7 +215,9 @@ def pooled_shares(energies: list[float], counts: list[int], error: float, limits
 
     At a given total squared error one spacing spends the fewest bits: a finer spacing
     costs every value about the same ``log2`` of the ratio (the equal-slope rule of bit
-    allocation).
+    allocation). With each energy weighed (by a tensor's mean Fisher diagonal), the
+    shares equalize the weighted squared error per value, and the weighted error lost is
+    ``error`` of the weighted total.
     """
     total = math.fsum(energies)
     if len(energies) < 2 or not (total > 0 and math.isfinite(total)):
