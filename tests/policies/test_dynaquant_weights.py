@@ -882,7 +882,7 @@ def test_fisher_pooling_rounds_the_change_the_loss_is_more_sensitive_to_more_fin
     # One plain spacing: about the same share each.
     assert 0.8 < plain[sharp][2] / plain[flat_][2] < 1.25
     # Weighed by the Fisher mean: the other change loses a much larger share (up to its
-    # cap, 0.8 of movement_share), the sensitive one a little less...
+    # cap, its budget: movement_share), the sensitive one a little less...
     assert 2 * plain[flat_][2] < weighted[flat_][2] <= 0.1
     assert weighted[sharp][2] < plain[sharp][2]
 

@@ -44,9 +44,11 @@ PROXY_SCALE = 1.0
 CHANGE_TRIAL_BITS = 1.5
 
 #: With ``pooled_error``, a change's share of the pooled error stays within this much of
-#: its own budget (in plain squared error): the budget also bounds the Fisher-weighted
-#: error, which the pooling sees only as each weight's mean (``fisher_pooling``).
-POOLED_BUDGET_MARGIN = 0.8
+#: its own budget (in plain squared error). The budget also bounds the Fisher-weighted
+#: error, which an unweighted pool does not see: 0.8 left room for it until the pool
+#: was weighed by each weight's Fisher mean (``fisher_pooling``); with that, the whole
+#: budget stored the yardstick's runs 0.3-3.9 % smaller at the same degradation.
+POOLED_BUDGET_MARGIN = 1.0
 
 
 def _guess_layer_type(leaf: TensorLeaf) -> str:
