@@ -847,7 +847,8 @@ def _two_changes(
     codecs = DynaQuant(pooled_error=pooled, fisher_pooling=fisher_pooling).plan(flat.tensors, references)
     encoded = encode_planned(flat.tensors, codecs, references)
     stored = {}
-    for key, change, second in zip(changes, changes.values(), ("optimizer/state/0/exp_avg_sq", "optimizer/state/2/exp_avg_sq")):
+    seconds = ("optimizer/state/0/exp_avg_sq", "optimizer/state/2/exp_avg_sq")
+    for key, change, second in zip(changes, changes.values(), seconds):
         index = keys.index(key)
         assert codecs[index].codec_id == "residual"
         squared = float((encoded[index].reconstruction - flat.tensors[index].tensor).double().pow(2).sum())
@@ -900,16 +901,20 @@ def test_fisher_pooling_weighs_each_change_by_its_fisher_mean() -> None:
     leaves = flatten({key: torch.full((1000,), 1.0) for key in "ab"}).tensors
     references = [torch.zeros(1000)] * 2
     indices, sizes, fisher = [0, 1], [4000] * 2, {0: 1.0, 1: 2.0}
-    shares = DynaQuant()._change_errors(leaves, references, indices, sizes, {}, {}, fisher)
+
+    def shares_of(policy: DynaQuant, means: dict[int, float]) -> dict[int, float]:
+        return policy._change_errors(leaves, references, indices, sizes, {}, {}, means)
+
+    shares = shares_of(DynaQuant(), fisher)
     # Squared error per value inversely proportional to the Fisher mean, and the
     # Fisher-weighted error lost is 0.03 of the Fisher-weighted squared size.
     assert shares[0] == pytest.approx(2 * shares[1], rel=1e-6) and shares[0] < 0.1
     assert shares[0] * 1000 * 1.0 + shares[1] * 1000 * 2.0 == pytest.approx(0.03 * 3000, rel=1e-6)
     # Off, or a change without a Fisher mean: the plain pool (here 0.03 each).
     unweighted = [0.03, 0.03]
-    assert list(DynaQuant(fisher_pooling=False)._change_errors(leaves, references, indices, sizes, {}, {}, fisher).values()) == pytest.approx(unweighted)
-    assert list(DynaQuant()._change_errors(leaves, references, indices, sizes, {}, {}, {0: 1.0}).values()) == pytest.approx(unweighted)
-    assert list(DynaQuant()._change_errors(leaves, references, indices, sizes, {}, {}, {0: 1.0, 1: 0.0}).values()) == pytest.approx(unweighted)
+    assert list(shares_of(DynaQuant(fisher_pooling=False), fisher).values()) == pytest.approx(unweighted)
+    assert list(shares_of(DynaQuant(), {0: 1.0}).values()) == pytest.approx(unweighted)
+    assert list(shares_of(DynaQuant(), {0: 1.0, 1: 0.0}).values()) == pytest.approx(unweighted)
     with pytest.raises(ValueError, match="fisher_pooling"):
         DynaQuant(fisher_pooling="yes")  # type: ignore[arg-type]
 

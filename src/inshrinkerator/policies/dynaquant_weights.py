@@ -322,7 +322,7 @@ class WeightPlanning:
             )
         # A change that loses more than its own budget is not stored as one: the most a
         # pooled spacing may give it, converted to a share of the change's squared size
-        # (plain error; a margin for the Fisher-weighted one).
+        # (plain error; POOLED_BUDGET_MARGIN of the budget).
         caps = {i: POOLED_BUDGET_MARGIN * allowed[i] * trials[i].total_plain for i in indices if i in allowed}
         # The mean of each weight's Fisher diagonal (the proxy's weights), where it has one.
         fisher = {i: trials[i].mean_weight for i in indices if trials[i].weights is not None}
@@ -348,7 +348,9 @@ class WeightPlanning:
         # No keys hint: the encode computes the change's keys again (one cheap pass), so the
         # keys of every change are not held at once until the encodes.
         if self.residual_error is not None:
-            errors = self._change_errors(leaves, references, indices, sizes, caps or {}, moved or {}, fisher or {})
+            errors = self._change_errors(
+                leaves, references, indices, sizes, caps or {}, moved or {}, fisher or {}
+            )
             factor_errors = errors if self.low_rank_changes else {}
             plans = parallel_map_sized(
                 lambda i: change_plan(leaves[i].tensor, references[i], factor_errors.get(i)), indices, sizes
