@@ -26,7 +26,7 @@ masks (e.g. by sensitivity) and the tensor's sketch keys through
 Stream layout (one stream, little-endian; ``varint`` is unsigned LEB128)::
 
     u8 version (3; versions 1 and 2 still decode), u8 flags (bit 0: log domain, bit 1: protected values in fp16, else bf16,
-    bit 2: evenly spaced levels), u16 values (n, incl. the zero level), u16 zero index, u16 prune below,
+    bit 2: evenly spaced levels, bit 3: ids coded per class of rows), u16 values (n, incl. the zero level), u16 zero index, u16 prune below,
     u16 protect above, u32 reference fingerprint (0 for a full tensor), varint protected count,
     f32[n] level values (bit 2: one f32 step s instead, n odd, zero index n // 2, the levels
     ``(k * s)`` for k = -(n // 2)..n // 2, each product in float64 rounded to f32: :func:`even_level_values`),
@@ -35,6 +35,10 @@ Stream layout (one stream, little-endian; ``varint`` is unsigned LEB128)::
 In ``dynaquant_grouped`` streams the id stream is one framed stream per octave group of
 the context, ascending (:func:`~.octave_groups.octave_groups`): ``varint length`` + that
 many bytes, and nothing after the last.
+
+With flag bit 3 (a tensor of two or more dimensions coded whole, without a reference)
+the id stream is the rows' classes followed by one framed stream per class
+(:mod:`.row_classes`): the writer sets it where that coding is the smaller.
 """
 
 from __future__ import annotations
@@ -68,6 +72,7 @@ from .nonuniform_quantizer import (
 from .octave_groups import ContextGroups
 from .prepared import PreparedEncoding
 from .registry import register_codec
+from .row_classes import RowGroups, choose_row_classes, matrix_rows, read_row_classes, row_class_header
 from .scratch import scratch
 from .varint import decode_varint, encode_varint
 
@@ -81,7 +86,7 @@ _VERSION = 3
 # Version 1 streams (run tokens and ANS only) and version 2 (direct layout, Huffman) are
 # subsets of version 3 (symbol tuples) and still decode.
 _READABLE_VERSIONS = (1, 2, 3)
-_LOG_FLAG, _FP16_FLAG, _EVEN_FLAG = 1, 2, 4
+_LOG_FLAG, _FP16_FLAG, _EVEN_FLAG, _ROWS_FLAG = 1, 2, 4, 8
 
 _MAX_BINS = 1024
 #: Deltas of tensors up to this size are regrouped by predicted bucket (the sort pays off
@@ -347,24 +352,33 @@ class DynaQuantCodec(PreparedEncoding, Codec):
             coded_ids = ids[stored]
             coded_predicted = None if predicted is None else predicted[stored]
             changed = None  # positions among the coded entries: the id coder finds them
+        stats = self._hints.get("stats")
         if groups is not None:
             if zeros is not None or predicted is not None:
                 raise ValueError(f"{self.codec_id}: octave groups code whole tensors only")
-            sizes = groups.sizes
-            parts = torch.split(groups.gather(ids).cpu(), sizes)
-            stats = self._hints.get("stats")
-            # The groups are independent streams: a large tensor's are coded in parallel.
-            coded = parallel_map_sized(
-                lambda part: encode_bucket_ids(part, table.count, None, False, stats, small_stream=_GROUP_SMALL_STREAM),
-                parts, [size * flat.element_size() for size in sizes],
-            )
-            id_stream = b"".join(encode_varint(len(part)) + part for part in coded)
+            id_stream = _encode_groups(ids, groups, table.count, stats, flat.element_size())
         else:
+            # A whole tensor coded without a reference may code its ids per class of rows,
+            # where that is estimated to pay; both codings are then made and the smaller kept.
+            rows = matrix_rows(tuple(tensor.shape)) if coded_predicted is None and zeros is None else None
+            classes = None if rows is None else choose_row_classes(coded_ids, table.count, rows)
+            plain_stats = stats if classes is None or stats is None else EntropyStats()
             rearrange = coded_predicted is not None and coded_ids.numel() <= REARRANGE_MAX_ELEMENTS
             id_stream = encode_bucket_ids(
                 coded_ids.cpu(), table.count, None if coded_predicted is None else coded_predicted.cpu(), rearrange,
-                self._hints.get("stats"), None if changed is None else changed.cpu(),
+                plain_stats, None if changed is None else changed.cpu(),
             )
+            if classes is not None:
+                class_stats = None if stats is None else EntropyStats()
+                row_groups = RowGroups(classes, int(classes.max()) + 1, coded_ids.numel() // classes.numel())
+                by_rows = row_class_header(classes, class_stats) + _encode_groups(
+                    coded_ids, row_groups, table.count, class_stats, flat.element_size()
+                )
+                chosen = plain_stats
+                if len(by_rows) < len(id_stream):
+                    id_stream, flags, chosen = by_rows, flags | _ROWS_FLAG, class_stats
+                if stats is not None and chosen is not None:
+                    stats.merge(chosen)
         head = _LAYOUT.pack(
             _VERSION, flags, table.values.numel(), table.zero_index, table.prune_below,
             table.protect_above, fingerprint,
@@ -415,7 +429,7 @@ class DynaQuantCodec(PreparedEncoding, Codec):
             raise CorruptCheckpointError(f"{self.codec_id}: stream is shorter than its header")
         version, flags, count, zero_index, prune_below, protect_above, fingerprint = _LAYOUT.unpack_from(view)
         protected_count, values_start = decode_varint(view, _LAYOUT.size)
-        if version not in _READABLE_VERSIONS or flags & ~(_LOG_FLAG | _FP16_FLAG | _EVEN_FLAG):
+        if version not in _READABLE_VERSIONS or flags & ~(_LOG_FLAG | _FP16_FLAG | _EVEN_FLAG | _ROWS_FLAG):
             raise FormatError(f"{self.codec_id}: unknown stream version {version} or flags {flags:#x}")
         if not 1 <= count < MAX_LEVELS or zero_index >= count or protected_count > spec.numel:
             raise FormatError(f"{self.codec_id}: header ({count} levels, zero at {zero_index}) is invalid")
@@ -450,7 +464,12 @@ class DynaQuantCodec(PreparedEncoding, Codec):
         else:
             protected = torch.empty(0, dtype=protected_dtype)
         predicted = None if reference is None else predicted_ids(table, reference)
-        if groups is not None:
+        if flags & _ROWS_FLAG:
+            if groups is not None or zeros is not None or reference is not None:
+                raise FormatError(f"{self.codec_id}: row classes code whole tensors without a reference only")
+            row_groups, classes_end = read_row_classes(view, protected_end, spec.shape, self.codec_id)
+            ids = self._decode_groups(view, classes_end, table.count, spec, row_groups)
+        elif groups is not None:
             ids = self._decode_groups(view, protected_end, table.count, spec, groups)
         elif zeros is None:
             ids = decode_bucket_ids(view[protected_end:], table.count, spec.numel, predicted)
@@ -480,11 +499,11 @@ class DynaQuantCodec(PreparedEncoding, Codec):
         for _ in sizes:
             length, cursor = decode_varint(view, cursor)
             if length > len(view) - cursor:
-                raise CorruptCheckpointError(f"{self.codec_id}: an octave group runs past the stream's end")
+                raise CorruptCheckpointError(f"{self.codec_id}: a group's ids run past the stream's end")
             streams.append(view[cursor : cursor + length])
             cursor += length
         if cursor != len(view):
-            raise CorruptCheckpointError(f"{self.codec_id}: {len(view) - cursor} bytes follow the last octave group")
+            raise CorruptCheckpointError(f"{self.codec_id}: {len(view) - cursor} bytes follow the last group")
         # Independent streams: a large tensor's groups are decoded in parallel.
         parts = parallel_map_sized(
             lambda group: decode_bucket_ids(streams[group], levels, sizes[group]),
@@ -501,6 +520,21 @@ class DynaQuantCodec(PreparedEncoding, Codec):
         reference: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         return self._decode(streams, spec, None)
+
+
+def _encode_groups(
+    ids: torch.Tensor, groups: ContextGroups, levels: int, stats: Optional[EntropyStats], element_size: int
+) -> bytes:
+    """The ids of each group of ``groups`` coded as one framed stream (``varint length`` +
+    bytes), in group order."""
+    sizes = groups.sizes
+    parts = torch.split(groups.gather(ids).cpu(), sizes)
+    # The groups are independent streams: a large tensor's are coded in parallel.
+    coded = parallel_map_sized(
+        lambda part: encode_bucket_ids(part, levels, None, False, stats, small_stream=_GROUP_SMALL_STREAM),
+        parts, [size * element_size for size in sizes],
+    )
+    return b"".join(encode_varint(len(part)) + part for part in coded)
 
 
 @register_codec

@@ -75,6 +75,13 @@ def _first_moment(shape: tuple[int, ...], seed: int) -> torch.Tensor:
     return torch.where(torch.rand(shape, generator=generator) < 0.1, values, 0.0)
 
 
+def _row_octaves(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    # A second moment whose rows sit up to 12 octaves apart, each spread over about one.
+    generator = torch.Generator().manual_seed(seed)
+    rows = torch.randint(0, 13, (shape[0], 1), generator=generator, dtype=torch.float64)
+    return torch.exp2(rows + torch.randn(shape, generator=generator, dtype=torch.float64) * 0.5 - 24).float()
+
+
 def _cases() -> list[tuple[str, Codec, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]]:
     base = _weights((24, 40), 1)
     special = base.clone()
@@ -108,12 +115,15 @@ def _cases() -> list[tuple[str, Codec, torch.Tensor, Optional[torch.Tensor], Opt
         (3, 80), generator=torch.Generator().manual_seed(22)
     )
     averaged = (few * 1e-4 + along * spread.sqrt() * 1e-3).float()
+    # A second moment whose rows (units) sit octaves apart: its ids are coded per class of rows.
+    by_row = _row_octaves((64, 128), 23)
     return [
         ("dynaquant/float32_bins12_prune_protect", full, base, None, None),
         ("dynaquant/float32_non_finite", DynaQuantCodec(bins=4, protect=0.01), special, None, None),
         ("dynaquant/float16_bins6", DynaQuantCodec(bins=6, protect=0.02), _weights((300,), 3, torch.float16), None, None),
         ("dynaquant/bfloat16_bins16", DynaQuantCodec(bins=16), _weights((16, 20), 4, torch.bfloat16), None, None),
         ("dynaquant/float32_log_domain", log_full, moment, None, None),
+        ("dynaquant/float32_log_row_classes", DynaQuantCodec(bins=8, domain="log"), by_row, None, None),
         ("dynaquant_delta/float32_rearranged_sticky",
          DynaQuantDeltaCodec(bins=12, prune=0.2, protect=0.01, stickiness=0.5), _update(base, 2), previous, None),
         ("dynaquant_delta/float32_log_domain",
