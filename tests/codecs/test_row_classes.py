@@ -143,3 +143,16 @@ def test_bad_row_class_headers_are_refused(classes: torch.Tensor, count: int) ->
         read_row_classes(side, 0, (64, 128), "dynaquant")
     with pytest.raises(CorruptCheckpointError):  # cut short
         read_row_classes(side[: len(side) - 2], 0, (64, 128), "dynaquant")
+
+
+def test_row_counts_taken_a_block_of_rows_at_a_time_choose_the_same_classes(monkeypatch) -> None:
+    from inshrinkerator.codecs import row_classes
+
+    tensor = _row_octaves(rows=80, cols=96, seed=5)
+    codec = DynaQuantCodec(bins=8, domain="log")
+    codec.encode(tensor)
+    ids = codec.fitted_table.ids(dynaquant._signed_keys(tensor.reshape(-1)))
+    whole = choose_row_classes(ids, codec.fitted_table.count, 80)
+    monkeypatch.setattr(row_classes, "_HISTOGRAM_BLOCK", 3 * 96 + 5)  # blocks of 3 rows, the last of 2
+    blocks = choose_row_classes(ids, codec.fitted_table.count, 80)
+    assert whole is not None and torch.equal(whole, blocks)

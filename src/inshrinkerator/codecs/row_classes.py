@@ -45,6 +45,8 @@ ROW_CLASS_MIN_ELEMENTS = 4096
 ROW_CLASS_GAIN = 0.98
 ROW_CLASS_MIN_SAVING = 400
 _MAX_CLASSES = 255
+# Ids counted per block of rows (the keys' temporary): at most this many at once.
+_HISTOGRAM_BLOCK = 1 << 22
 # Estimated cost of one class's stream over the order-0 size of its ids (header, code
 # table, frame; fitted on the yardstick's id streams: ~80 bytes), and per symbol used.
 _STREAM_BYTES, _SYMBOL_BYTES = 64.0, 0.5
@@ -107,6 +109,21 @@ def _dense_merged(keys: torch.Tensor, cols: int) -> torch.Tensor:
     return torch.tensor(mapping, dtype=torch.long)[inverse]
 
 
+def _row_histograms(matrix: torch.Tensor, levels: int) -> torch.Tensor:
+    # Each row's id counts (float64, on the CPU), a block of rows at a time: the keys of a
+    # block (row * levels + id) are its only temporary.
+    rows, cols = matrix.shape
+    block = max(1, _HISTOGRAM_BLOCK // cols)
+    histograms = torch.empty(rows, levels, dtype=torch.float64)
+    for start in range(0, rows, block):
+        part = matrix[start : start + block]
+        offsets = torch.arange(part.shape[0], dtype=torch.int32, device=matrix.device).mul_(levels)
+        keys = part.to(torch.int32).add_(offsets[:, None]).reshape(-1)
+        counts = torch.bincount(keys, minlength=part.shape[0] * levels)
+        histograms[start : start + part.shape[0]] = counts.reshape(-1, levels).cpu().double()
+    return histograms
+
+
 def choose_row_classes(ids: torch.Tensor, levels: int, rows: int) -> Optional[torch.Tensor]:
     """The classes (uint8, dense from 0, one per row) to code the ``rows``-row matrix of
     ``ids`` (flat, in ``[0, levels)``) by, or None where no split is estimated to take
@@ -120,9 +137,7 @@ def choose_row_classes(ids: torch.Tensor, levels: int, rows: int) -> Optional[to
     if count < ROW_CLASS_MIN_ELEMENTS or rows < 2 or count % rows or count // rows < 1:
         return None
     cols = count // rows
-    row_index = torch.arange(rows, dtype=torch.int32, device=ids.device).repeat_interleave(cols)
-    keys = row_index.mul_(levels).add_(ids.reshape(-1).to(torch.int32))
-    histograms = torch.bincount(keys, minlength=rows * levels).reshape(rows, levels).cpu().double()
+    histograms = _row_histograms(ids.reshape(rows, cols), levels)
     whole = _order0_bytes(histograms.sum(0, keepdim=True))
     levels_axis = torch.arange(levels, dtype=torch.float64)
     mode = int(histograms.sum(0).argmax())
