@@ -156,3 +156,11 @@ def test_row_counts_taken_a_block_of_rows_at_a_time_choose_the_same_classes(monk
     monkeypatch.setattr(row_classes, "_HISTOGRAM_BLOCK", 3 * 96 + 5)  # blocks of 3 rows, the last of 2
     blocks = choose_row_classes(ids, codec.fitted_table.count, 80)
     assert whole is not None and torch.equal(whole, blocks)
+
+
+def test_row_classes_beyond_the_stated_count_are_refused() -> None:
+    classes = torch.tensor([0, 1, 2, 3] * 16, dtype=torch.uint8)
+    coded = encode_bucket_ids(classes, 4)
+    side = memoryview(encode_varint(2) + encode_varint(len(coded)) + coded)
+    with pytest.raises(FormatError):
+        read_row_classes(side, 0, (64, 128), "dynaquant")
