@@ -371,7 +371,7 @@ class DynaQuantCodec(PreparedEncoding, Codec):
             if classes is not None:
                 class_stats = None if stats is None else EntropyStats()
                 row_groups = RowGroups(classes, int(classes.max()) + 1, coded_ids.numel() // classes.numel())
-                by_rows = row_class_header(classes, class_stats) + _encode_groups(
+                by_rows = row_class_header(row_groups, class_stats) + _encode_groups(
                     coded_ids, row_groups, table.count, class_stats, flat.element_size()
                 )
                 chosen = plain_stats

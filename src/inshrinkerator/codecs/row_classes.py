@@ -137,7 +137,7 @@ def choose_row_classes(ids: torch.Tensor, levels: int, rows: int) -> Optional[to
     each in whole, half and quarter steps; the one with the smallest estimate is kept.
     """
     count = ids.numel()
-    if count < ROW_CLASS_MIN_ELEMENTS or rows < 2 or count % rows or count // rows < 1:
+    if count < ROW_CLASS_MIN_ELEMENTS or rows < 2 or count % rows:
         return None
     cols = count // rows
     histograms = _row_histograms(ids.reshape(rows, cols), levels)
@@ -160,10 +160,10 @@ def choose_row_classes(ids: torch.Tensor, levels: int, rows: int) -> Optional[to
     return None if best is None else best.to(torch.uint8)
 
 
-def row_class_header(classes: torch.Tensor, stats: Optional[EntropyStats] = None) -> bytes:
+def row_class_header(groups: RowGroups, stats: Optional[EntropyStats] = None) -> bytes:
     """The side stream's head: the class count and the rows' classes."""
-    count = int(classes.max()) + 1
-    coded = encode_bucket_ids(classes, count, None, False, stats)
+    count = len(groups.sizes)
+    coded = encode_bucket_ids(groups.classes, count, None, False, stats)
     return encode_varint(count) + encode_varint(len(coded)) + coded
 
 
