@@ -181,16 +181,21 @@ def test_bad_input_and_damaged_streams() -> None:
     def factor_stream(scales: tuple[float, float], symbols: torch.Tensor, alphabet: int) -> bytes:
         return np.array(scales, dtype="<f4").tobytes() + encode_symbols(symbols, alphabet)
 
+    # Factor streams of one count table, as files written before the column coding hold.
+    legacy = LowRankResidualCodec(DynaQuantCodec(bins=10), rank=2, factor_coding="counts")
     good = torch.full((2 * (32 + 40),), FACTOR_LEVELS)
     for scales in ((float("nan"), 1.0), (1.0, 0.0), (-1.0, 1.0), (float("inf"), 1.0)):
-        with pytest.raises(FormatError, match="scale"):
-            codec.decode([factor_stream(scales, good, 31), *rest], encoded.params, spec, reference)
+        for reader in (codec, legacy):
+            with pytest.raises(FormatError, match="scale"):
+                reader.decode([factor_stream(scales, good, 31), *rest], encoded.params, spec, reference)
     wide = good.clone()
     wide[3] = 40  # an entry beyond +-15, in a stream whose alphabet allows it
     with pytest.raises(FormatError, match="outside"):
-        codec.decode([factor_stream((1.0, 1.0), wide, 64), *rest], encoded.params, spec, reference)
+        legacy.decode([factor_stream((1.0, 1.0), wide, 64), *rest], encoded.params, spec, reference)
     with pytest.raises(FormatError):  # factors of another rank
-        codec.decode([factor_stream((1.0, 1.0), good[:-1], 31), *rest], encoded.params, spec, reference)
+        legacy.decode([factor_stream((1.0, 1.0), good[:-1], 31), *rest], encoded.params, spec, reference)
+    assert torch.equal(legacy.decode([factor_stream((1.0, 1.0), good, 31), *rest], encoded.params, spec, reference).isfinite(),
+                       torch.ones(spec.shape, dtype=torch.bool))
     with pytest.raises(FormatError):
         codec.decode([], encoded.params, spec, reference)
     with pytest.raises(FormatError, match="scales"):
@@ -220,6 +225,15 @@ def test_golden(case) -> None:
 
 def test_goldens_exist() -> None:
     assert len(golden_cases("residual_low_rank")) >= 1
+
+
+@pytest.mark.parametrize("codec_id", ["residual_low_rank", "dynaquant_grouped_low_rank"])
+def test_goldens_hold_both_factor_codings(codec_id: str) -> None:
+    # counts_* cases: written before the column coding, without factor_coding in their config.
+    configs = {case.name: json.loads((case / "case.json").read_text())["config"] for case in golden_cases(codec_id)}
+    legacy = [name for name in configs if name.startswith("counts_")]
+    assert legacy and all("factor_coding" not in configs[name] for name in legacy)
+    assert any(config.get("factor_coding") == "columns" for config in configs.values())
 
 
 def _moments_of_few_directions(seed: int, shape: tuple[int, int] = (64, 96)) -> tuple[torch.Tensor, torch.Tensor]:

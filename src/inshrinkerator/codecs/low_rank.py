@@ -39,6 +39,7 @@ from ..errors import BrokenChainError, FormatError
 from .base import Codec, Encoded, TensorSpec, matching_reference
 from .dynaquant_context import DynaQuantGroupedCodec, _ContextKey
 from .entropy import decode_symbols, encode_symbols
+from .factor_columns import decode_factor_columns, encode_factor_columns
 from .lossy_input import checked_float_input, require_float_spec, working_dtype
 from .prepared import PreparedEncoding
 from .registry import get_codec, register_codec
@@ -59,6 +60,10 @@ __all__ = [
 MAX_RANK = 64
 #: Factor entries are integers in ``[-FACTOR_LEVELS, FACTOR_LEVELS]``.
 FACTOR_LEVELS = 15
+#: How stream 0 codes the factor entries: ``"columns"``, one model per factor column
+#: (:mod:`.factor_columns`; what the codecs write), or ``"counts"``, one count table over
+#: both factors (what they wrote before; a config without ``factor_coding`` means it).
+FACTOR_CODINGS = ("columns", "counts")
 #: What an entropy-coded factor entry costs, about, when ranks are weighed.
 _FACTOR_BITS = 4.5
 #: The ranks :func:`choose_low_rank` weighs.
@@ -106,19 +111,29 @@ class LowRankFactors:
         """The entries of both factors as entropy-coder symbols (``0..2 * FACTOR_LEVELS``)."""
         return torch.cat([self.left.reshape(-1), self.right.reshape(-1)]).cpu().to(torch.int64) + FACTOR_LEVELS
 
-    def to_bytes(self) -> bytes:
+    def to_bytes(self, coding: str = "columns") -> bytes:
+        """Stream 0: the two scales, then the entries coded as ``coding`` names (one of
+        :data:`FACTOR_CODINGS`)."""
         scales = np.array([self.left_scale, self.right_scale], dtype="<f4").tobytes()
-        return scales + encode_symbols(self.symbols(), 2 * FACTOR_LEVELS + 1)
+        if coding == "columns":
+            return scales + encode_factor_columns(self.left, self.right, FACTOR_LEVELS)
+        if coding == "counts":
+            return scales + encode_symbols(self.symbols(), 2 * FACTOR_LEVELS + 1)
+        raise ValueError(f"factor coding must be one of {FACTOR_CODINGS}, got {coding!r}")
 
     @classmethod
-    def from_bytes(cls, data: Any, rows: int, cols: int, rank: int) -> "LowRankFactors":
-        """Read stream 0; :class:`FormatError` if it does not hold factors of this size."""
+    def from_bytes(cls, data: Any, rows: int, cols: int, rank: int, coding: str = "columns") -> "LowRankFactors":
+        """Read stream 0 (written with ``coding``); :class:`FormatError` if it does not
+        hold factors of this size."""
         view = memoryview(data).cast("B")
         if len(view) < 8:
             raise FormatError(f"low-rank factors: the factor stream holds {len(view)} bytes, less than its scales")
         left_scale, right_scale = (float(x) for x in np.frombuffer(view[:8], dtype="<f4"))
         if not all(math.isfinite(s) and s > 0 for s in (left_scale, right_scale)):
             raise FormatError("low-rank factors: a factor scale is not a positive finite number")
+        if coding == "columns":
+            left, right = decode_factor_columns(view[8:], rows, cols, rank, FACTOR_LEVELS)
+            return cls(left.to(torch.int8), right.to(torch.int8), left_scale, right_scale)
         values = decode_symbols(view[8:], expected_count=rank * (rows + cols))
         if values.numel() and int(values.max()) > 2 * FACTOR_LEVELS:
             raise FormatError(f"low-rank factors: a factor entry lies outside +-{FACTOR_LEVELS}")
@@ -234,12 +249,23 @@ class _Factored:
 
     codec_id: str
     rank: int
+    factor_coding: str
     _factors: Optional[LowRankFactors] = None
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> Any:
+        # Files written before the column coding carry no ``factor_coding``: one count table.
+        return super().from_config({"factor_coding": "counts", **config})  # type: ignore[misc]
 
     def _check_rank(self, rank: Any) -> int:
         if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= MAX_RANK:
             raise ValueError(f"{self.codec_id}: rank must be an int in 1..{MAX_RANK}, got {rank!r}")
         return rank
+
+    def _check_coding(self, coding: Any) -> str:
+        if coding not in FACTOR_CODINGS:
+            raise ValueError(f"{self.codec_id}: factor_coding must be one of {FACTOR_CODINGS}, got {coding!r}")
+        return str(coding)
 
     def with_factors(self, factors: LowRankFactors) -> Any:
         """This codec, encoding with ``factors`` (of the tensor it will be given) instead of
@@ -289,7 +315,7 @@ class _Factored:
         inner_params = params.get("inner")
         if not isinstance(inner_params, dict):
             raise FormatError(f"{self.codec_id}: params lack the inner codec's params")
-        return LowRankFactors.from_bytes(streams[0], rows, cols, self.rank), inner_params
+        return LowRankFactors.from_bytes(streams[0], rows, cols, self.rank, self.factor_coding), inner_params
 
 
 @register_codec
@@ -300,13 +326,15 @@ class LowRankResidualCodec(_Factored, ResidualCodec):
     Args:
         inner: the codec of what the product leaves (config or codec object; no reference).
         rank: the factors' rank, 1 to :data:`MAX_RANK`.
+        factor_coding: how the factor entries are coded (:data:`FACTOR_CODINGS`).
     """
 
     codec_id = "residual_low_rank"
 
-    def __init__(self, inner: Union[dict[str, Any], Codec], rank: int) -> None:
+    def __init__(self, inner: Union[dict[str, Any], Codec], rank: int, factor_coding: str = "columns") -> None:
         super().__init__(inner)
         self.rank = self._check_rank(rank)
+        self.factor_coding = self._check_coding(factor_coding)
 
     def encode(self, tensor: torch.Tensor, reference: Optional[torch.Tensor] = None) -> Encoded:
         prepared = self._take_prepared(tensor, reference)
@@ -322,7 +350,7 @@ class LowRankResidualCodec(_Factored, ResidualCodec):
         factors, inner, change_back = self._encode_factored(change, spec.shape, compute, self._inner.encode)
         rebuilt = (base.reshape(rows, cols) + change_back).reshape(spec.shape)
         return Encoded(
-            streams=[factors.to_bytes(), *inner.streams],
+            streams=[factors.to_bytes(self.factor_coding), *inner.streams],
             params={"inner": inner.params, "reference_crc32": reference_checksum(reference)},
             reconstruction=rebuilt.to(tensor.dtype),
         )
@@ -358,18 +386,20 @@ class GroupedLowRankCodec(_ContextKey, _Factored, PreparedEncoding, Codec):
     Args:
         inner: the ``dynaquant_grouped`` codec of what the product leaves (config or codec).
         rank: the factors' rank, 1 to :data:`MAX_RANK`.
+        factor_coding: how the factor entries are coded (:data:`FACTOR_CODINGS`).
     """
 
     codec_id = "dynaquant_grouped_low_rank"
     lossless = False
 
-    def __init__(self, inner: Union[dict[str, Any], Codec], rank: int) -> None:
+    def __init__(self, inner: Union[dict[str, Any], Codec], rank: int, factor_coding: str = "columns") -> None:
         codec = inner if isinstance(inner, Codec) else get_codec(inner)
         if type(codec) is not DynaQuantGroupedCodec:
             raise ValueError(f"{self.codec_id}: the inner codec must be 'dynaquant_grouped', got {codec.codec_id!r}")
         self._inner: DynaQuantGroupedCodec = codec
         self.inner = codec.get_config()
         self.rank = self._check_rank(rank)
+        self.factor_coding = self._check_coding(factor_coding)
 
     def encode(
         self,
@@ -389,7 +419,7 @@ class GroupedLowRankCodec(_ContextKey, _Factored, PreparedEncoding, Codec):
             matrix, spec.shape, compute, lambda leftover: self._inner.encode(leftover, None, context=context)
         )
         return Encoded(
-            streams=[factors.to_bytes(), *inner.streams],
+            streams=[factors.to_bytes(self.factor_coding), *inner.streams],
             params={"inner": inner.params},
             reconstruction=rebuilt.reshape(spec.shape).to(tensor.dtype),
         )
