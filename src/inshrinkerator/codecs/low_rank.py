@@ -11,16 +11,20 @@ factor matrices and rounding only what they leave to the change's levels (evenly
 as for any stored change) codes the same change at the same error in fewer bits.
 
 The factors are stored as small integers (``-15..15``) with one float32 scale per factor
-matrix, entropy coded: ~4.5 bits an entry. Their coarse rounding costs little, since what
+matrix, entropy coded column by column (:mod:`.factor_columns`): ~3 bits an entry. Their
+coarse rounding costs little, since what
 the product misses is coded with the rest. The product is formed from the integers (every
 partial sum is an integer below 2^24, exact in float32 in any order of summation, on any
 device) and then scaled once, so the reader rebuilds the writer's reconstruction bit for
 bit and a chain of such deltas carries no drift.
 
-Stream 0 holds the factors: the two scales (float32, little-endian), then one entropy-coded
-symbol stream (:func:`~.entropy.encode_symbols`, symbol = integer + 15) of the left factor
-(``rows x rank``, row-major) followed by the right factor (``cols x rank``). A tensor of
-shape ``(d0, d1, ...)`` is the matrix ``d0 x (d1 * ...)``. The other streams are the inner
+Stream 0 holds the factors: the two scales (float32, little-endian), then the left factor
+(``rows x rank``) and the right factor (``cols x rank``) as the codec's ``factor_coding``
+says: ``"columns"`` (what the codecs write), a model code per column and the columns'
+ANS words (:func:`~.factor_columns.encode_factor_columns`), or ``"counts"`` (a config
+without the key: files written before), one symbol stream (:func:`~.entropy.encode_symbols`,
+symbol = integer + 15) of the left factor, row-major, then the right. A tensor of shape
+``(d0, d1, ...)`` is the matrix ``d0 x (d1 * ...)``. The other streams are the inner
 codec's, of ``change - product`` (of ``tensor - product`` for the grouped codec, whose inner
 codec is a ``dynaquant_grouped`` reading the same context).
 """
@@ -64,7 +68,9 @@ FACTOR_LEVELS = 15
 #: (:mod:`.factor_columns`; what the codecs write), or ``"counts"``, one count table over
 #: both factors (what they wrote before; a config without ``factor_coding`` means it).
 FACTOR_CODINGS = ("columns", "counts")
-#: What an entropy-coded factor entry costs, about, when ranks are weighed.
+#: What an entropy-coded factor entry costs, about, when ranks are weighed (set for one
+#: count table over both factors; coded column by column an entry takes ~3 bits, but the
+#: ranks, and so the reconstructions, were tuned with this figure).
 _FACTOR_BITS = 4.5
 #: The ranks :func:`choose_low_rank` weighs.
 CANDIDATE_RANKS = (1, 2, 4, 8, 16, 32)
