@@ -38,7 +38,9 @@ def test_each_model_is_the_documented_distribution(code: int) -> None:
     probabilities = model_probabilities(code, LIMIT)
     assert probabilities.dtype.name == "float32" and probabilities.shape == (2 * LIMIT + 1,)
     expected = torch.tensor([float(p) for p in _exact(code, LIMIT)], dtype=torch.float32)
-    assert torch.equal(torch.from_numpy(probabilities), expected)
+    assert torch.equal(torch.tensor(probabilities), expected)
+    with pytest.raises(ValueError):  # cached and shared: read-only
+        probabilities[0] = 0
     assert (probabilities > 0).all() and abs(float(probabilities.sum()) - 1) < 1e-5
     assert (probabilities == probabilities[::-1]).all()  # symmetric about 0
     assert probabilities.argmax() == LIMIT
