@@ -11,6 +11,7 @@ import torch
 import inshrinkerator as ink
 from inshrinkerator.codecs import DynaQuantCodec, DynaQuantDeltaCodec, DynaQuantGroupedCodec
 from inshrinkerator.policies import DynaQuant
+from inshrinkerator.policies.dynaquant_moments import SMALL_MOMENT_ERROR
 from inshrinkerator.tree import flatten, format_key_path
 
 from ..helpers import assert_same
@@ -39,8 +40,10 @@ def test_the_moments_of_small_weights_are_quantized_but_not_the_weights() -> Non
     exact = dict(zip(paths, DynaQuant(moment_min_numel=1024).plan(flat.tensors, [None] * len(flat.tensors))))
     assert exact["optimizer/state/4/exp_avg"].lossless and exact["optimizer/state/4/exp_avg_sq"].lossless
     # their bytes are mostly the record and the level table: twice the levels cost little
-    assert by_path["optimizer/state/4/exp_avg"].bins == 2 * level_count(by_path["optimizer/state/2/exp_avg"])
+    # (the first moment's levels are evenly spaced, stored as their step)
     assert by_path["optimizer/state/4/exp_avg_sq"].bins == 2 * by_path["optimizer/state/2/exp_avg_sq"].bins
+    unspaced = dict(zip(paths, DynaQuant(first_moment_error=None).plan(flat.tensors, [None] * len(flat.tensors))))
+    assert unspaced["optimizer/state/4/exp_avg"].bins == 2 * level_count(unspaced["optimizer/state/2/exp_avg"])
 
 
 def test_the_first_moments_of_small_weights_are_not_pruned(tmp_path) -> None:
@@ -407,6 +410,39 @@ def test_a_first_moment_kept_whole_is_rounded_to_evenly_spaced_levels(tmp_path) 
                 assert 0.8 * error <= relative <= 1.2 * error
         assert checked
     assert sizes[0.02] > sizes[0.08]
+
+
+def test_a_small_first_moment_is_rounded_to_fine_evenly_spaced_levels(tmp_path) -> None:
+    # A weight under min_numel: its first moment is never pruned, and its evenly spaced
+    # levels (stored as one step, not a table) lose SMALL_MOMENT_ERROR of its squared size,
+    # in fewer bytes than twice the k-means levels (first_moment_error=None), which lose more.
+    _, (state,) = trained_states(1)
+    m = state["optimizer"]["state"][4]["exp_avg"]
+    assert 64 <= m.numel() < DynaQuant().min_numel
+    errors, sizes = {}, {}
+    for error in (0.08, None):
+        ink.save(state, tmp_path / f"{error}.ink", policy=DynaQuant(first_moment_keep=1.0, first_moment_error=error))
+        restored = ink.load(tmp_path / f"{error}.ink")["optimizer"]["state"][4]["exp_avg"]
+        errors[error] = float((restored - m).pow(2).sum() / m.pow(2).sum())
+        sizes[error] = codecs_and_bytes(tmp_path / f"{error}.ink")["optimizer/state/4/exp_avg"][1]
+        positive = torch.unique(restored[restored > 0]).double()
+        multiples = positive / positive.min()
+        assert bool(torch.allclose(multiples, multiples.round(), atol=1e-4)) == (error is not None)
+    assert 0.5 * SMALL_MOMENT_ERROR <= errors[0.08] <= 1.5 * SMALL_MOMENT_ERROR < errors[None]
+    assert sizes[0.08] < sizes[None]
+    # A tighter first_moment_error binds the small moments too.
+    ink.save(state, tmp_path / "tight.ink", policy=DynaQuant(first_moment_keep=1.0, first_moment_error=0.0005))
+    restored = ink.load(tmp_path / "tight.ink")["optimizer"]["state"][4]["exp_avg"]
+    assert float((restored - m).pow(2).sum() / m.pow(2).sum()) <= 1.5 * 0.0005
+
+
+def test_small_momentum_buffers_keep_their_k_means_levels() -> None:
+    _, (state,) = trained_states(1, optimizer="sgd")
+    leaves = flatten(state).tensors
+    codecs = dict(zip((format_key_path(leaf.path) for leaf in leaves), DynaQuant().plan(leaves, [None] * len(leaves))))
+    small = codecs["optimizer/state/4/momentum_buffer"]
+    assert isinstance(small, DynaQuantCodec)
+    assert small.bins == 2 * level_count(codecs["optimizer/state/2/momentum_buffer"])
 
 
 def test_adam_first_moments_and_sgd_momentum_get_their_own_level_counts() -> None:
