@@ -50,12 +50,13 @@ SECOND_MOMENT_PROTECT = 0.005
 FIRST_MOMENT_LOW_RANK_MARGIN = 0.15
 #: Level-count factor of the moments of tensors under ``min_numel`` (biases, norm layers).
 SMALL_MOMENT_LEVEL_FACTOR = 2
-#: The share of its squared size a first moment (or momentum buffer) under ``min_numel``
-#: loses on its evenly spaced levels (at most ``first_moment_error``). Its level table
-#: would be a third of its bytes; one stored step replaces it. On the small first moments
-#: of the digits CNN's and the char GPT's seed-0 runs, 0.002 stores 21-24 % fewer bytes
-#: than 16 k-means levels, which lost 0.6-0.7 % (docs/dynaquant-measurements.md,
-#: *Small first moments on evenly spaced levels*).
+#: The share of its squared size an Adam first moment under ``min_numel`` loses on its
+#: evenly spaced levels (at most ``first_moment_error``). Its level table would be a third
+#: of its bytes; one stored step replaces it. On the small first moments of the digits
+#: CNN's and the char GPT's seed-0 runs, 0.002 stores 21-24 % fewer bytes than 16 k-means
+#: levels, which lost 0.6-0.7 % (docs/dynaquant-measurements.md, *Small first moments on
+#: evenly spaced levels*). Momentum buffers keep their k-means levels: so spaced, the
+#: digits SGD run grew.
 SMALL_MOMENT_ERROR = 0.002
 #: The most levels a moment may have (the knobs' bound, and the factor's cap).
 MAX_MOMENT_BINS = 1024
@@ -251,7 +252,7 @@ class MomentPlanning:
             if (whole or small_first) and self.first_moment_error is not None:
                 # Every entry kept: evenly spaced levels, with the zero cell below half a step
                 # (a small moment's finer, and stored as their step instead of a table).
-                error = min(SMALL_MOMENT_ERROR, self.first_moment_error) if small else self.first_moment_error
+                error = min(SMALL_MOMENT_ERROR, self.first_moment_error) if small_first else self.first_moment_error
                 centroids, prune_below = even_levels(*spread(tensor.reshape(-1).float()), error)
                 extra, zero_levels = {"centroids": centroids, "prune_below": prune_below}, None
             else:
