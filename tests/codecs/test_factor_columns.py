@@ -19,6 +19,8 @@ from inshrinkerator.codecs.factor_columns import (
 from inshrinkerator.codecs.low_rank import FACTOR_LEVELS, LowRankFactors, low_rank_factors
 from inshrinkerator.errors import CorruptCheckpointError, FormatError
 
+from .test_low_rank import _moved
+
 LIMIT = FACTOR_LEVELS
 
 
@@ -115,15 +117,8 @@ def test_damaged_column_streams_are_refused() -> None:
         decode_factor_columns(data, 64, 47, 4, LIMIT)
 
 
-def _moved(shape: tuple[int, int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    reference = torch.randn(shape, generator=generator) * 0.05
-    directions = torch.randn(shape[0], 4, generator=generator) @ torch.randn(4, shape[1], generator=generator)
-    return reference + 1e-3 * directions + 1e-5 * torch.randn(shape, generator=generator), reference
-
-
 def test_the_codec_writes_columns_and_reads_files_written_with_one_table() -> None:
-    tensor, reference = _moved((96, 80), seed=9)
+    tensor, reference = _moved((96, 80), 4, seed=9)
     factors = low_rank_factors(tensor - reference, 4)
     spec = TensorSpec.of(tensor)
     new = LowRankResidualCodec(DynaQuantCodec(bins=10), 4).with_factors(factors)

@@ -231,7 +231,8 @@ class MomentPlanning:
         keys = signed_keys(tensor)
         counts = torch.bincount(keys, minlength=SIGNED_KEYS).cpu()
         # The moment of a bias or a norm layer's scale (a weight under ``min_numel``) costs
-        # mostly its record and level table: twice the levels and no pruning add few bytes.
+        # mostly its record and level table: twice the levels (an Adam first moment's: fine
+        # evenly spaced ones, SMALL_MOMENT_ERROR) and no pruning add few bytes.
         small = tensor.numel() < self.min_numel
         finer = SMALL_MOMENT_LEVEL_FACTOR if small else 1
         zero_levels = None
