@@ -50,6 +50,22 @@ CHANGE_TRIAL_BITS = 1.5
 #: budget stored the yardstick's runs 0.3-3.9 % smaller at the same degradation.
 POOLED_BUDGET_MARGIN = 1.0
 
+#: A weight's change rounded a second time because the first missed its own budget (by
+#: the Fisher-weighted error, which is estimated before rounding) aims at this much of
+#: the budget.
+RETRY_MARGIN = 0.97
+
+
+def _cap_scale(trial: WeightTrial) -> float:
+    """The summed squared error a share of 1 of a weight's budget stands for, as the
+    rounding of its change spreads it (about evenly over the values): its plain squared
+    size, or where its Fisher diagonal is known and the values it weighs most are small,
+    the less that keeps the Fisher-weighted error within the same share (that error is
+    then about the plain one times the diagonal's mean)."""
+    if trial.weights is None or not trial.mean_weight > 0:
+        return trial.total_plain
+    return min(trial.total_plain, trial.total / trial.mean_weight)
+
 
 def _guess_layer_type(leaf: TensorLeaf) -> str:
     if "embed" in format_key_path(leaf.path).lower():
@@ -152,21 +168,47 @@ class WeightPlanning:
         if not candidates:
             return
 
+        allowed = {index: weights.cube.own_budget(index) for index in candidates}
+        shares = self._change_shares(leaves, references, candidates, weights.trials, allowed, weights.moved)
         stats = {index: EntropyStats() for index in candidates}
         as_change = dict(zip(candidates, (codec for _, codec in self._change_codecs(
-            leaves, references, layout, candidates, weights.trials,
-            {index: weights.cube.own_budget(index) for index in candidates}, stats, weights.moved,
+            leaves, references, layout, candidates, weights.trials, allowed, stats, weights.moved, shares,
         ))))
-        changes = parallel_map_sized(
+        changes = dict(zip(candidates, parallel_map_sized(
             lambda i: as_change[i].prepare(leaves[i].tensor, references[i]), candidates,
             [leaf_nbytes(leaves[i]) for i in candidates],
-        )
+        )))
+        # The Fisher-weighted error of a rounded change is estimated before the rounding
+        # (_cap_scale); a change that misses its budget by that estimate while smaller is
+        # rounded once more, finer by what it missed, instead of falling back to level ids
+        # at about twice its bytes.
+        over = {
+            index: weights.error(index, changes[index]) for index in candidates
+            if shares is not None and encoded_size(changes[index]) < encoded_size(encoded[index])
+            and not weights.within_own_budget(index, changes[index])
+        }
+        finer = {
+            index: shares[index] * RETRY_MARGIN * allowed[index] / error  # type: ignore[index]
+            for index, error in over.items() if math.isfinite(error) and error > 0
+        }
+        if finer:
+            retried = list(finer)
+            stats.update({index: EntropyStats() for index in retried})
+            as_change.update(zip(retried, (codec for _, codec in self._change_codecs(
+                leaves, references, layout, retried, weights.trials, allowed, stats, weights.moved, finer,
+            ))))
+            changes.update(zip(retried, parallel_map_sized(
+                lambda i: as_change[i].prepare(leaves[i].tensor, references[i]), retried,
+                [leaf_nbytes(leaves[i]) for i in retried],
+            )))
         changed = 0
-        for index, change in zip(candidates, changes):
+        for index in candidates:
+            change = changes[index]
             if encoded_size(change) < encoded_size(encoded[index]) and weights.within_own_budget(index, change):
                 codecs[index], encoded[index], weights.stats[index] = as_change[index], change, stats[index]
                 changed += 1
         weights.record.config["change_coded_tensors"] = changed
+        weights.record.config["change_coded_retries"] = len(finer)
 
     def _changes_to_group(
         self,
@@ -304,10 +346,12 @@ class WeightPlanning:
         allowed: dict[int, float],
         stats: dict[int, EntropyStats],
         moved: dict[int, float],
+        shares: Optional[dict[int, float]] = None,
     ) -> list[tuple[int, ResidualCodec]]:
         """The codec of each weight in ``indices`` stored as its change since the reference
         (its entropy figures into ``stats``), with the number of levels it takes. ``moved``:
-        the summed squared change of each, where known.
+        the summed squared change of each, where known; ``shares``: the share of its squared
+        size each change loses, where already chosen (:meth:`_change_shares`).
 
         With ``residual_error`` (the default) the change is rounded to evenly spaced levels,
         ``sqrt(12 * residual_error)`` times its RMS apart, so that the rounding costs about
@@ -320,13 +364,33 @@ class WeightPlanning:
                 lambda i: self._residual_codec(leaves, references, layout, i, trials[i], allowed[i], stats[i]),
                 indices, [leaf_nbytes(leaves[i]) for i in indices],
             )
+        if shares is None:
+            shares = self._change_shares(leaves, references, indices, trials, allowed, moved)
+        return self._plain_change_codecs(leaves, references, indices, stats, shares=shares)
+
+    def _change_shares(
+        self,
+        leaves: Sequence[TensorLeaf],
+        references: Sequence[Optional[torch.Tensor]],
+        indices: list[int],
+        trials: dict[int, WeightTrial],
+        allowed: dict[int, float],
+        moved: dict[int, float],
+    ) -> Optional[dict[int, float]]:
+        """The share of its squared size each change in ``indices`` loses on its evenly
+        spaced levels (:meth:`_change_errors`), none more than its ``allowed`` budget; None
+        where changes are judged on ``residual_bins`` instead (``residual_error=None``)."""
+        if self.residual_error is None:
+            return None
         # A change that loses more than its own budget is not stored as one: the most a
-        # pooled spacing may give it, converted to a share of the change's squared size
-        # (plain error; POOLED_BUDGET_MARGIN of the budget).
-        caps = {i: POOLED_BUDGET_MARGIN * allowed[i] * trials[i].total_plain for i in indices if i in allowed}
+        # pooled spacing may give it, converted to a squared error (POOLED_BUDGET_MARGIN of
+        # the budget, plain and Fisher-weighted).
+        caps = {i: POOLED_BUDGET_MARGIN * allowed[i] * _cap_scale(trials[i]) for i in indices if i in allowed}
         # The mean of each weight's Fisher diagonal (the proxy's weights), where it has one.
         fisher = {i: trials[i].mean_weight for i in indices if trials[i].weights is not None}
-        return self._plain_change_codecs(leaves, references, indices, stats, caps, moved, fisher)
+        return self._change_errors(
+            leaves, references, indices, [leaf_nbytes(leaves[i]) for i in indices], caps, moved, fisher
+        )
 
     def _plain_change_codecs(
         self,
@@ -334,23 +398,20 @@ class WeightPlanning:
         references: Sequence[Optional[torch.Tensor]],
         indices: list[int],
         stats: dict[int, EntropyStats],
-        caps: Optional[dict[int, float]] = None,
-        moved: Optional[dict[int, float]] = None,
-        fisher: Optional[dict[int, float]] = None,
+        shares: Optional[dict[int, float]] = None,
     ) -> list[tuple[int, ResidualCodec]]:
         """Like :meth:`_change_codecs`, with nothing judged per tensor: each change on evenly
-        spaced levels (``residual_error``), or on ``residual_bins[0]`` k-means levels fitted
-        for all the changes side by side, each exactly the fit its encode would run alone
-        (one k-means of a few thousand histogram points is mostly per-operation overhead)."""
+        spaced levels (``residual_error``; ``shares``: the share each loses, else pooled
+        without caps), or on ``residual_bins[0]`` k-means levels fitted for all the changes
+        side by side, each exactly the fit its encode would run alone (one k-means of a few
+        thousand histogram points is mostly per-operation overhead)."""
         sizes = [leaf_nbytes(leaves[i]) for i in indices]
         bins = self.residual_bins[0]
         inner = DynaQuantCodec(bins=bins, prune=0.0, protect=0.0, sigma=self.sigma)
         # No keys hint: the encode computes the change's keys again (one cheap pass), so the
         # keys of every change are not held at once until the encodes.
         if self.residual_error is not None:
-            errors = self._change_errors(
-                leaves, references, indices, sizes, caps or {}, moved or {}, fisher or {}
-            )
+            errors = shares if shares is not None else self._change_errors(leaves, references, indices, sizes, {}, {})
             factor_errors = errors if self.low_rank_changes else {}
             plans = parallel_map_sized(
                 lambda i: change_plan(leaves[i].tensor, references[i], factor_errors.get(i)), indices, sizes
@@ -738,13 +799,13 @@ class _WeightPlan:
         """The quality measure of the weights as stored (the proxy, or ``evaluate``)."""
         if self.evaluate is not None:
             return self.cube.relative_loss({i: encoded[i].reconstruction for i in self.indices})
-        return max((self._error(i, encoded[i]) / self.scales.get(i, 1.0) for i in self.indices), default=0.0)
+        return max((self.error(i, encoded[i]) / self.scales.get(i, 1.0) for i in self.indices), default=0.0)
 
     def within_own_budget(self, index: int, encoded: Encoded) -> bool:
         """Whether weight ``index`` as ``encoded`` stays within the error it may have alone."""
-        return self._error(index, encoded) <= self.cube.own_budget(index)
+        return self.error(index, encoded) <= self.cube.own_budget(index)
 
-    def _error(self, index: int, encoded: Encoded) -> float:
+    def error(self, index: int, encoded: Encoded) -> float:
         """The proxy's relative error of weight ``index`` as ``encoded``: the larger of the
         plain and the Fisher-weighted one."""
         trial = self.trials[index]
