@@ -546,23 +546,6 @@ def test_a_change_that_misses_its_budget_once_is_rounded_finer_not_given_up(monk
     assert config["change_coded_retries"] == 0 and config["change_coded_tensors"] == 1
 
 
-def test_a_changes_cap_counts_the_fisher_weighted_error_too() -> None:
-    # Rounding spreads its error about evenly over the values, so the Fisher-weighted error
-    # is about the plain one times the diagonal's mean. Where the diagonal is large on
-    # small values, that bounds the squared error more tightly than the plain budget.
-    from inshrinkerator.policies.dynaquant_weights import _cap_scale
-    from inshrinkerator.policies.quantization_trials import WeightTrial
-
-    values = torch.linspace(-1, 1, 4001)
-    plain = WeightTrial(values, "linear", None, None, 0.0)
-    assert _cap_scale(plain) == plain.total_plain
-    small_sensitive = WeightTrial(values, "linear", 1.0 / (values.abs() + 0.05), None, 0.0)
-    expected = small_sensitive.total / small_sensitive.mean_weight
-    assert math.isclose(_cap_scale(small_sensitive), expected) and expected < 0.5 * small_sensitive.total_plain
-    large_sensitive = WeightTrial(values, "linear", values.abs() + 0.05, None, 0.0)
-    assert _cap_scale(large_sensitive) == large_sensitive.total_plain
-
-
 def test_the_entropy_figures_count_the_encodings_stored_not_those_discarded(monkeypatch) -> None:
     # model/3.weight moved 0.3 of its spread: its level ids are encoded, then its change,
     # which is stored. The policy's entropy figures count the change's coded symbols, not

@@ -50,21 +50,10 @@ CHANGE_TRIAL_BITS = 1.5
 #: budget stored the yardstick's runs 0.3-3.9 % smaller at the same degradation.
 POOLED_BUDGET_MARGIN = 1.0
 
-#: A weight's change rounded a second time because the first missed its own budget (by
-#: the Fisher-weighted error, which is estimated before rounding) aims at this much of
-#: the budget.
+#: A weight's change rounded a second time because the first missed its own budget
+#: (mostly by the Fisher-weighted error, which the pool does not cap) aims at this much
+#: of the budget.
 RETRY_MARGIN = 0.97
-
-
-def _cap_scale(trial: WeightTrial) -> float:
-    """The summed squared error a share of 1 of a weight's budget stands for, as the
-    rounding of its change spreads it (about evenly over the values): its plain squared
-    size, or where its Fisher diagonal is known and the values it weighs most are small,
-    the less that keeps the Fisher-weighted error within the same share (that error is
-    then about the plain one times the diagonal's mean)."""
-    if trial.weights is None or not trial.mean_weight > 0:
-        return trial.total_plain
-    return min(trial.total_plain, trial.total / trial.mean_weight)
 
 
 def _guess_layer_type(leaf: TensorLeaf) -> str:
@@ -178,10 +167,10 @@ class WeightPlanning:
             lambda i: as_change[i].prepare(leaves[i].tensor, references[i]), candidates,
             [leaf_nbytes(leaves[i]) for i in candidates],
         )))
-        # The Fisher-weighted error of a rounded change is estimated before the rounding
-        # (_cap_scale); a change that misses its budget by that estimate while smaller is
-        # rounded once more, finer by what it missed, instead of falling back to level ids
-        # at about twice its bytes.
+        # The pool caps each change by its plain error only; the budget bounds the
+        # Fisher-weighted one too. A change that misses its budget while smaller is rounded
+        # once more, finer by what it missed, instead of falling back to level ids at two
+        # to three times its bytes.
         over = {
             index: weights.error(index, changes[index]) for index in candidates
             if shares is not None and encoded_size(changes[index]) < encoded_size(encoded[index])
@@ -383,9 +372,9 @@ class WeightPlanning:
         if self.residual_error is None:
             return None
         # A change that loses more than its own budget is not stored as one: the most a
-        # pooled spacing may give it, converted to a squared error (POOLED_BUDGET_MARGIN of
-        # the budget, plain and Fisher-weighted).
-        caps = {i: POOLED_BUDGET_MARGIN * allowed[i] * _cap_scale(trials[i]) for i in indices if i in allowed}
+        # pooled spacing may give it, converted to a share of the change's squared size
+        # (plain error; POOLED_BUDGET_MARGIN of the budget).
+        caps = {i: POOLED_BUDGET_MARGIN * allowed[i] * trials[i].total_plain for i in indices if i in allowed}
         # The mean of each weight's Fisher diagonal (the proxy's weights), where it has one.
         fisher = {i: trials[i].mean_weight for i in indices if trials[i].weights is not None}
         return self._change_errors(
