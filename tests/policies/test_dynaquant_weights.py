@@ -546,6 +546,40 @@ def test_a_change_that_misses_its_budget_once_is_rounded_finer_not_given_up(monk
     assert config["change_coded_retries"] == 0 and config["change_coded_tensors"] == 1
 
 
+def test_a_weight_stored_whole_takes_evenly_spaced_levels_where_they_are_smaller(monkeypatch) -> None:
+    # At a full checkpoint the search puts model/3.weight on k-means levels. The same share
+    # of its squared size lost on evenly spaced levels codes it in fewer bytes (k-means
+    # levels put about as many values in each cell), and that is what is stored.
+    import inshrinkerator.policies.dynaquant_weights as weights_module
+
+    _, (state,) = trained_states(1)
+    flat = flatten(state)
+    keys = [format_key_path(leaf.path) for leaf in flat.tensors]
+    index = keys.index("model/3.weight")
+    weight = flat.tensors[index].tensor
+
+    def stored() -> tuple[dict, torch.Tensor, float, int]:
+        policy = DynaQuant()
+        codecs = policy.plan(flat.tensors, [None] * len(keys))
+        encoded = encode_planned(flat.tensors, codecs)[index]
+        error = float((encoded.reconstruction - weight).pow(2).sum() / weight.pow(2).sum())
+        levels = torch.unique(encoded.reconstruction)
+        return policy.search_log[-1].config, levels, error, sum(len(s) for s in encoded.streams)
+
+    config, levels, error, size = stored()
+    monkeypatch.setattr(
+        weights_module.WeightPlanning, "_store_whole_on_even_levels_where_smaller", lambda *args: None
+    )
+    kmeans_config, kmeans_levels, kmeans_error, kmeans_size = stored()
+    assert config["even_level_tensors"] >= 1 and "even_level_tensors" not in kmeans_config
+    step = float(levels[levels > 0].min())
+    assert torch.allclose(levels / step, torch.round(levels / step), atol=1e-3)  # k * step
+    assert not torch.allclose(kmeans_levels / float(kmeans_levels[kmeans_levels > 0].min()),
+                              torch.round(kmeans_levels / float(kmeans_levels[kmeans_levels > 0].min())), atol=1e-3)
+    assert size < kmeans_size
+    assert error <= 1.1 * kmeans_error and error <= DynaQuant().tolerance
+
+
 def test_the_entropy_figures_count_the_encodings_stored_not_those_discarded(monkeypatch) -> None:
     # model/3.weight moved 0.3 of its spread: its level ids are encoded, then its change,
     # which is stored. The policy's entropy figures count the change's coded symbols, not

@@ -208,15 +208,16 @@ class WeightPlanning:
     ) -> None:
         """A weight stored whole on its search's k-means levels (at a full checkpoint, or
         without a usable reference) is also encoded on evenly spaced levels that lose the
-        same share of its squared size, and stored so where that is smaller and within its
-        own budget (under the proxy; ``evaluate`` judged the k-means levels).
+        same share of its squared size, and stored so where that is smaller and loses no
+        more than the k-means levels by the proxy's measure (the larger of the plain and
+        the Fisher-weighted share; not with ``evaluate``, which judged the k-means levels).
 
         At the same squared error evenly spaced levels cost fewer coded bits than k-means
-        levels, which put about equally many values in each cell (the char GPT's and
-        MiniLM's first checkpoints: 6.5-6.7 % fewer bytes for their weights,
-        docs/dynaquant-measurements.md, *Whole weights on evenly spaced levels*). A change
-        that misses the budget (by its Fisher-weighted error) is tried once more, finer by
-        what it missed.
+        levels, which put about equally many values in each cell (the first checkpoints of
+        the char GPT and MiniLM: 6.5-6.7 % fewer bytes for their weights,
+        docs/dynaquant-measurements.md, *Whole weights on evenly spaced levels*). Spread
+        evenly, their error can weigh more by the Fisher diagonal; where it does they are
+        tried once more, finer by what they missed.
         """
         if self.evaluate is not None:
             return
@@ -248,19 +249,22 @@ class WeightPlanning:
             ).with_hints(counts=histogram, centroids=centroids, prune_below=prune_below, stats=stats[index])
             return codec, codec.prepare(leaves[index].tensor, None)
 
+        # The levels' error as the proxy measures it (the larger of the plain and the
+        # Fisher-weighted share): evenly spaced levels must not lose more.
+        allowed = {index: weights.error(index, encoded[index]) for index in candidates}
         tried = dict(zip(candidates, parallel_map_sized(encode, candidates, [leaf_nbytes(leaves[i]) for i in candidates])))
         over = {
             index: weights.error(index, result) for index, (_, result) in tried.items()
-            if encoded_size(result) < encoded_size(encoded[index]) and not weights.within_own_budget(index, result)
+            if encoded_size(result) < encoded_size(encoded[index]) and weights.error(index, result) > allowed[index]
         }
         retried = [i for i, error in over.items() if math.isfinite(error) and error > 0]
         for index in retried:
-            shares[index] *= RETRY_MARGIN * weights.cube.own_budget(index) / over[index]
+            shares[index] *= RETRY_MARGIN * allowed[index] / over[index]
             stats[index] = EntropyStats()
         tried.update(zip(retried, parallel_map_sized(encode, retried, [leaf_nbytes(leaves[i]) for i in retried])))
         chosen = 0
         for index, (codec, result) in tried.items():
-            if encoded_size(result) < encoded_size(encoded[index]) and weights.within_own_budget(index, result):
+            if encoded_size(result) < encoded_size(encoded[index]) and weights.error(index, result) <= allowed[index]:
                 codecs[index], encoded[index], weights.stats[index] = codec, result, stats[index]
                 chosen += 1
         weights.record.config["even_level_tensors"] = chosen
