@@ -580,6 +580,29 @@ def test_a_weight_stored_whole_takes_evenly_spaced_levels_where_they_are_smaller
     assert error <= 1.1 * kmeans_error and error <= DynaQuant().tolerance
 
 
+def test_a_weight_whose_fisher_is_a_squared_average_gradient_keeps_its_kmeans_levels() -> None:
+    # Watched under SGD, a weight's proxy weighs its error by the square of its averaged
+    # gradient, too weak a guard for levels that spread the error evenly: its k-means
+    # levels stay. Unwatched, the plain error is the whole measure, and evenly spaced
+    # levels are taken where smaller.
+    import copy
+
+    from .dynaquant_states import small_model
+
+    model = small_model()
+    optimizer = torch.optim.SGD(model.parameters(), 0.05, momentum=0.9)
+    watched = DynaQuant()
+    watched.watch(model)
+    train_steps(model, optimizer, 5)
+    state = copy.deepcopy({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+    leaves = flatten(state).tensors
+    watched.plan(leaves, [None] * len(leaves))
+    unwatched = DynaQuant()
+    unwatched.plan(leaves, [None] * len(leaves))
+    assert watched.search_log[-1].config["even_level_tensors"] == 0
+    assert unwatched.search_log[-1].config["even_level_tensors"] >= 1
+
+
 def test_the_entropy_figures_count_the_encodings_stored_not_those_discarded(monkeypatch) -> None:
     # model/3.weight moved 0.3 of its spread: its level ids are encoded, then its change,
     # which is stored. The policy's entropy figures count the change's coded symbols, not

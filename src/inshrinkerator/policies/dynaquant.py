@@ -491,7 +491,7 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
             )
         if weights is not None:
             self._store_changes_where_smaller(leaves, references, layout, codecs, weights, encoded)
-            self._store_whole_on_even_levels_where_smaller(leaves, codecs, weights, encoded)
+            self._store_whole_on_even_levels_where_smaller(leaves, layout, codecs, weights, encoded)
             self._check_stored_weights(leaves, references, codecs, weights, encoded)
             change_stats.update(weights.stats)
         # A weight that became its change above (it crossed many cells) may be grouped too.
