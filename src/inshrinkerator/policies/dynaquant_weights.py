@@ -178,14 +178,12 @@ class WeightPlanning:
         # Fisher-weighted one too. A change that misses its budget while smaller is rounded
         # once more, finer by what it missed, instead of falling back to level ids at two
         # to three times its bytes.
-        over = {
-            index: weights.error(index, changes[index]) for index in candidates
-            if shares is not None and encoded_size(changes[index]) < encoded_size(encoded[index])
-            and not weights.within_own_budget(index, changes[index])
-        }
+        errors = {index: weights.error(index, changes[index]) for index in candidates}
         finer = {
-            index: shares[index] * RETRY_MARGIN * allowed[index] / error  # type: ignore[index]
-            for index, error in over.items() if math.isfinite(error) and error > 0
+            index: shares[index] * RETRY_MARGIN * allowed[index] / errors[index]
+            for index in candidates
+            if shares is not None and encoded_size(changes[index]) < encoded_size(encoded[index])
+            and math.isfinite(errors[index]) and errors[index] > allowed[index]
         }
         if finer:
             retried = list(finer)
@@ -197,10 +195,11 @@ class WeightPlanning:
                 lambda i: as_change[i].prepare(leaves[i].tensor, references[i]), retried,
                 [leaf_nbytes(leaves[i]) for i in retried],
             )))
+            errors.update((index, weights.error(index, changes[index])) for index in retried)
         changed = 0
         for index in candidates:
             change = changes[index]
-            if encoded_size(change) < encoded_size(encoded[index]) and weights.within_own_budget(index, change):
+            if encoded_size(change) < encoded_size(encoded[index]) and errors[index] <= allowed[index]:
                 codecs[index], encoded[index], weights.stats[index] = as_change[index], change, stats[index]
                 changed += 1
         weights.record.config["change_coded_tensors"] = changed
@@ -268,18 +267,20 @@ class WeightPlanning:
         # Fisher-weighted share): evenly spaced levels must not lose more.
         allowed = {index: weights.error(index, encoded[index]) for index in candidates}
         tried = dict(zip(candidates, parallel_map_sized(encode, candidates, [leaf_nbytes(leaves[i]) for i in candidates])))
-        over = {
-            index: weights.error(index, result) for index, (_, result) in tried.items()
-            if encoded_size(result) < encoded_size(encoded[index]) and weights.error(index, result) > allowed[index]
-        }
-        retried = [i for i, error in over.items() if math.isfinite(error) and error > 0]
+        errors = {index: weights.error(index, result) for index, (_, result) in tried.items()}
+        retried = [
+            index for index, (_, result) in tried.items()
+            if encoded_size(result) < encoded_size(encoded[index])
+            and math.isfinite(errors[index]) and errors[index] > allowed[index]
+        ]
         for index in retried:
-            shares[index] *= RETRY_MARGIN * allowed[index] / over[index]
+            shares[index] *= RETRY_MARGIN * allowed[index] / errors[index]
             stats[index] = EntropyStats()
         tried.update(zip(retried, parallel_map_sized(encode, retried, [leaf_nbytes(leaves[i]) for i in retried])))
+        errors.update((index, weights.error(index, tried[index][1])) for index in retried)
         chosen = 0
         for index, (codec, result) in tried.items():
-            if encoded_size(result) < encoded_size(encoded[index]) and weights.error(index, result) <= allowed[index]:
+            if encoded_size(result) < encoded_size(encoded[index]) and errors[index] <= allowed[index]:
                 codecs[index], encoded[index], weights.stats[index] = codec, result, stats[index]
                 chosen += 1
         weights.record.config["even_level_tensors"] = chosen
