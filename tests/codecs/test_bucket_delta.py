@@ -20,7 +20,9 @@ from inshrinkerator.codecs.bucket_delta import (
     encode_bucket_ids,
     encode_id_symbols,
 )
-from inshrinkerator.errors import FormatError
+from inshrinkerator.codecs.symmetric_models import encode_symmetric
+from inshrinkerator.codecs.varint import encode_varint
+from inshrinkerator.errors import CorruptCheckpointError, FormatError
 
 
 def _ids_and_prediction(levels: int, count: int, changed: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,7 +87,8 @@ def test_mismatched_inputs_are_refused() -> None:
 GOLDEN = Path(__file__).resolve().parent.parent / "golden" / "codecs" / "bucket_delta"
 
 
-CURRENT = ["plain", "predicted", "rearranged", "dense_predicted", "dense_rearranged", "wide_alphabet"]
+VERSION_2 = ["plain", "predicted", "rearranged", "dense_predicted", "dense_rearranged", "wide_alphabet"]
+CURRENT = [*VERSION_2, "small_predicted"]
 
 
 def _golden(name: str) -> tuple[dict, torch.Tensor, torch.Tensor | None, bytes]:
@@ -108,7 +111,7 @@ def test_version_1_streams_still_decode(name: str) -> None:
     assert torch.equal(decode_bucket_ids(stream, meta["levels"], ids.numel(), predicted).long(), ids)
 
 
-@pytest.mark.parametrize("name", [f"v2_{name}" for name in CURRENT])
+@pytest.mark.parametrize("name", [f"v2_{name}" for name in VERSION_2])
 def test_version_2_streams_still_decode(name: str) -> None:
     meta, ids, predicted, stream = _golden(name)
     assert stream[0] & 0x10 == 0  # no symbol tuples before version 3
@@ -117,8 +120,8 @@ def test_version_2_streams_still_decode(name: str) -> None:
 
 def test_goldens_cover_both_layouts_and_every_coder() -> None:
     flags = {_golden(name)[3][0] & ~3 for name in CURRENT}
-    # direct + Huffman, direct + ANS, run tokens + symbol tuples
-    assert {0x0C, 0x04, 0x10} <= flags
+    # direct + Huffman, direct + ANS, run tokens + symbol tuples, direct + symmetric model
+    assert {0x0C, 0x04, 0x10, 0x24} <= flags
 
 
 def test_damaged_huffman_and_direct_streams_are_refused() -> None:
@@ -137,7 +140,7 @@ def test_damaged_huffman_and_direct_streams_are_refused() -> None:
         assert int(out.max()) < 30 and out.numel() == 5000
     with pytest.raises(FormatError):
         decode_bucket_ids(bytes(data[:-3]), 30, 5000, predicted)
-    for flag in (0x20, 0x18):  # an unknown flag; Huffman and tuples at once
+    for flag in (0x40, 0x18, 0x28):  # an unknown flag; two coders at once
         forged = bytearray(data)
         forged[0] |= flag
         with pytest.raises(FormatError):
@@ -167,3 +170,57 @@ def test_the_ans_pass_is_skipped_only_where_it_could_not_win(monkeypatch) -> Non
     assert [encode_id_symbols(symbols, alphabet) for symbols, alphabet in streams] == skipping
     assert 0 < skipped < len(streams)  # both kinds of stream were there
 
+
+
+def _bias_like_ids(levels: int, count: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # A short tensor's ids: most near the centre, a few steps out (a bias's, a norm's change).
+    generator = torch.Generator().manual_seed(seed)
+    predicted = torch.randint(0, levels, (count,), generator=generator)
+    step = (torch.randn(count, generator=generator) * 1.5).round().long()
+    return (predicted + step) % levels, predicted
+
+
+@pytest.mark.parametrize("mode", [PLAIN, PREDICTED, REARRANGED])
+def test_short_streams_name_a_symmetric_model_instead_of_a_table(mode: int) -> None:
+    levels, count = 15, 300
+    ids, predicted = _bias_like_ids(levels, count, seed=mode)
+    if mode == PLAIN:
+        ids, predicted = (ids + 7 - predicted) % levels, None  # around id 7, as a bias on even levels
+    stats = EntropyStats()
+    data = encode_bucket_ids(ids, levels, predicted, rearrange=mode == REARRANGED, stats=stats)
+    assert data[0] == mode | 0x04 | 0x20  # direct layout, symmetric model
+    assert torch.equal(decode_bucket_ids(data, levels, count, predicted).long(), ids)
+    # Smaller than either table-carrying coder on the same direct symbols.
+    dense = ids if predicted is None else (ids - predicted) % levels
+    if mode == REARRANGED:
+        dense = dense[torch.sort(predicted, stable=True).indices]
+    tabled = encode_id_symbols(dense, levels, small_stream=1 << 16)[1]
+    assert len(data) < len(tabled)
+    assert stats.table_bytes == 2 and stats.parts == 1  # its limit and model code
+
+
+def test_symmetric_models_are_not_tried_for_wide_or_long_streams() -> None:
+    generator = torch.Generator().manual_seed(5)
+    wide = torch.randint(0, 200, (300,), generator=generator)  # distances far beyond the family's limit
+    assert not encode_bucket_ids(wide, 200)[0] & 0x20
+    ids, predicted = _bias_like_ids(15, 5000, seed=6)  # a long stream keeps its faster coders
+    assert not encode_bucket_ids(ids, 15, predicted)[0] & 0x20
+
+
+def test_forged_symmetric_streams_are_refused() -> None:
+    ids, predicted = _bias_like_ids(15, 300, seed=7)
+    data = encode_bucket_ids(ids, 15, predicted)
+    assert data[0] & 0x20
+    with pytest.raises(FormatError):  # a symmetric model on run tokens
+        decode_bucket_ids(bytes([data[0] & ~0x04]) + data[1:], 15, 300, predicted)
+    # Values beyond half the levels would wrap onto ids another value stands for.
+    values = torch.arange(-10, 11).repeat(10)
+    coded = encode_symmetric(values, 10)
+    for levels in (21, 15):
+        head = bytes([0x24]) + levels.to_bytes(2, "little") + bytes(2)  # plain, centre 0
+        stream = head + encode_varint(values.numel()) + encode_varint(len(coded)) + encode_varint(0) + coded
+        if levels == 21:  # the control: within half of 21 levels the same words decode
+            assert torch.equal(decode_bucket_ids(stream, levels, values.numel()).long(), values % levels)
+        else:
+            with pytest.raises(CorruptCheckpointError):
+                decode_bucket_ids(stream, levels, values.numel())

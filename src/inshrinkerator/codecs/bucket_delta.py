@@ -32,15 +32,26 @@ for larger alphabets, for small streams where it is smaller, and for any stream
 where the Huffman candidates would be more than ``HUFFMAN_SLACK`` (5%) above the
 order-0 bound.
 
+Short direct streams (a bias's ids, a layer norm's change) spend much of their bytes on
+the count table or Huffman tree. For them a third candidate is tried: each id as its
+signed cyclic distance from a centre (the most frequent id without a prediction, else 0),
+coded under one of a fixed family of symmetric models named in a byte
+(:mod:`.symmetric_models`), which needs no table.
+
 Stream layout (little-endian; ``varint`` is unsigned LEB128)::
 
     u8 mode (bits 0-1: 0 plain, 1 predicted, 2 rearranged; bit 2: direct layout;
-    bit 3: Huffman frame; bit 4: symbol tuples; neither: ANS), u16 levels, u16 run symbol,
-    varint symbols, varint entropy-coded bytes, varint extra bits,
-    entropy-coded symbols, extra-bit bytes
+    bit 3: Huffman frame; bit 4: symbol tuples; bit 5: symmetric model; none of the three:
+    ANS), u16 levels, u16 run symbol (with bit 5: the centre), varint symbols,
+    varint entropy-coded bytes, varint extra bits, entropy-coded symbols, extra-bit bytes
+
+With bit 5 (direct layout only) the entropy-coded symbols are a symmetric stream
+(:func:`.symmetric_models.encode_symmetric`) of the values ``v`` in ``-limit..limit``,
+``limit <= levels // 2``, and the direct symbol of each id is ``(centre + v) mod levels``.
 
 Streams without the layout and coder bits (run tokens, ANS) are the format of
-DynaQuant stream version 1 and still decode; bit 4 is new in version 3.
+DynaQuant stream version 1 and still decode; bit 4 is new in version 3, bit 5 later in
+version 3 (readers before it refuse such a stream with a ``FormatError``).
 """
 
 from __future__ import annotations
@@ -56,6 +67,7 @@ from ..errors import CorruptCheckpointError, FormatError
 from ._numpy_paths import positions_differing, stable_argsort
 from .entropy import decode_symbols, encode_symbols, encoded_size_floor, expand_frame, huffman_frame
 from .symbol_tuples import TUPLE_SIZES, decode_symbol_tuples, encode_symbol_tuples, tuple_header_bytes
+from .symmetric_models import MAX_STREAM_LIMIT, best_model, decode_symmetric, encode_symmetric, symmetric_header_bytes
 from .scratch import reusing_scratch
 from .varint import decode_varint, encode_varint
 from .zero_runs import from_run_tokens, to_run_tokens, token_alphabet
@@ -69,16 +81,19 @@ __all__ = [
     "ANS",
     "HUFFMAN",
     "TUPLES",
+    "SYMMETRIC",
     "id_dtype",
     "encode_bucket_ids",
     "decode_bucket_ids",
 ]
 
 PLAIN, PREDICTED, REARRANGED = 0, 1, 2
-#: The entropy coders of the symbols (the mode byte's bits 3 and 4).
-ANS, HUFFMAN, TUPLES = 0, 1, 2
-_MODE_MASK, _DIRECT, _HUFFMAN, _TUPLES = 3, 4, 8, 16
-_CODER_FLAGS = {ANS: 0, HUFFMAN: _HUFFMAN, TUPLES: _TUPLES}
+#: The entropy coders of the symbols (the mode byte's bits 3, 4 and 5).
+ANS, HUFFMAN, TUPLES, SYMMETRIC = 0, 1, 2, 3
+_MODE_MASK, _DIRECT, _HUFFMAN, _TUPLES, _SYMMETRIC = 3, 4, 8, 16, 32
+_CODER_FLAGS = {ANS: 0, HUFFMAN: _HUFFMAN, TUPLES: _TUPLES, SYMMETRIC: _SYMMETRIC}
+# Direct streams of at most this many ids are also tried under a symmetric model.
+_SYMMETRIC_UP_TO = 1 << 11
 # Below this many bits per symbol Huffman's one-bit floor makes tuples pay: tuples of 4 and 2
 # are tried; above it, pairs and single symbols.
 _TUPLES_BELOW_BITS = 3.5
@@ -223,6 +238,8 @@ def coded_table_bytes(coder: int, data: bytes) -> int:
         return 0
     if coder == TUPLES:
         return tuple_header_bytes(data)
+    if coder == SYMMETRIC:
+        return symmetric_header_bytes(data)
     return _SYMBOLS_HEAD.size + _SYMBOLS_HEAD.unpack_from(data)[2]
 
 
@@ -340,7 +357,7 @@ def _encode_bucket_ids(
     # positions: where ids differ from the prediction (or the run symbol); None: not yet found.
     zeros = 1.0 - changed_count / count if count else 1.0
     candidates: list[tuple[int, torch.Tensor, bytes, int]] = []  # (layout flag, symbols, extra bits, extra count)
-    order = None
+    order = dense = None
     if mode == REARRANGED:
         order, rank = _rank(predicted, levels)
     if zeros < _DIRECT_UP_TO:
@@ -368,15 +385,42 @@ def _encode_bucket_ids(
         if best is None or len(coded) + len(extra) < len(best[5]) + len(best[2]):
             best = (layout, symbols, extra, extra_count, coder, coded, bits)
     assert best is not None  # one of the two ranges always applies
+    centre = run_symbol if mode == PLAIN else 0
+    if dense is not None and 0 < count <= min(small_stream, _SYMMETRIC_UP_TO):
+        symmetric = _symmetric_candidate(dense, levels, centre, len(best[5]) + len(best[2]))
+        if symmetric is not None:
+            best = (_DIRECT, dense, b"", 0, SYMMETRIC, symmetric, None)
     layout, symbols, extra, extra_count, coder, coded, bits = best
     if stats is not None:
         alphabet = levels if layout == _DIRECT else token_alphabet(levels)
         stats.add(symbols, alphabet, coded, coded_table_bytes(coder, coded), bits)
     flags = mode | layout | _CODER_FLAGS[coder]
-    head = _HEAD.pack(flags, levels, run_symbol if layout != _DIRECT else 0) + b"".join(
+    field = centre if coder == SYMMETRIC else run_symbol if layout != _DIRECT else 0
+    head = _HEAD.pack(flags, levels, field) + b"".join(
         encode_varint(n) for n in (symbols.numel(), len(coded), extra_count)
     )
     return b"".join([head, coded, extra])
+
+
+def _signed_distances(symbols: torch.Tensor, centre: int, levels: int) -> torch.Tensor:
+    """Each of ``symbols`` (in ``[0, levels)``) as its cyclic distance from ``centre``, in
+    ``(-levels / 2, levels / 2]`` (int64)."""
+    distances = (symbols.reshape(-1).cpu().to(torch.int64) - centre) % levels
+    return torch.where(distances > levels // 2, distances - levels, distances)
+
+
+def _symmetric_candidate(symbols: torch.Tensor, levels: int, centre: int, to_beat: int) -> Optional[bytes]:
+    """The direct ``symbols`` as a symmetric stream around ``centre``, if that fits the
+    family and takes fewer than ``to_beat`` bytes; else None."""
+    values = _signed_distances(symbols, centre, levels)
+    limit = max(1, int(values.abs().max()))
+    if limit > min(MAX_STREAM_LIMIT, levels // 2):
+        return None
+    _, bits = best_model(torch.bincount(values + limit, minlength=2 * limit + 1), limit)
+    if bits / 8 + 2 >= to_beat:  # its limit and code, and the words cannot hold less
+        return None
+    coded = encode_symmetric(values, limit)
+    return coded if len(coded) < to_beat else None
 
 
 def decode_bucket_ids(
@@ -393,7 +437,7 @@ def decode_bucket_ids(
         raise CorruptCheckpointError("bucket-id stream is shorter than its header")
     flags, stored_levels, run_symbol = _HEAD.unpack_from(view)
     mode, direct = flags & _MODE_MASK, bool(flags & _DIRECT)
-    coder = TUPLES if flags & _TUPLES else HUFFMAN if flags & _HUFFMAN else ANS
+    coder = SYMMETRIC if flags & _SYMMETRIC else TUPLES if flags & _TUPLES else HUFFMAN if flags & _HUFFMAN else ANS
     symbol_count, cursor = decode_varint(view, _HEAD.size)
     coded_bytes, cursor = decode_varint(view, cursor)
     extra_bits, cursor = decode_varint(view, cursor)
@@ -401,8 +445,9 @@ def decode_bucket_ids(
         stored_levels != levels
         or run_symbol >= levels
         or mode not in (PLAIN, PREDICTED, REARRANGED)
-        or flags & ~(_MODE_MASK | _DIRECT | _HUFFMAN | _TUPLES)
-        or flags & _HUFFMAN and flags & _TUPLES
+        or flags & ~(_MODE_MASK | _DIRECT | _HUFFMAN | _TUPLES | _SYMMETRIC)
+        or bin(flags & (_HUFFMAN | _TUPLES | _SYMMETRIC)).count("1") > 1
+        or flags & _SYMMETRIC and not direct
     ):
         raise FormatError(
             f"bucket-id stream (mode {flags:#x}, {stored_levels} levels) does not fit {levels} levels"
@@ -418,7 +463,13 @@ def decode_bucket_ids(
     if direct and (symbol_count != count or extra_bits):
         raise CorruptCheckpointError("bucket-id stream: a direct layout holds one symbol per id")
     alphabet = levels if direct else token_alphabet(levels)
-    symbols = decode_id_symbols(view[cursor : cursor + coded_bytes], coder, symbol_count, alphabet)
+    if coder == SYMMETRIC:
+        values = decode_symmetric(view[cursor : cursor + coded_bytes], symbol_count)
+        if values.numel() and int(values.abs().max()) > levels // 2:
+            raise CorruptCheckpointError(f"bucket-id stream: a symmetric value lies beyond half of {levels} levels")
+        symbols = (values + run_symbol) % levels
+    else:
+        symbols = decode_id_symbols(view[cursor : cursor + coded_bytes], coder, symbol_count, alphabet)
     dtype = id_dtype(levels)
     if direct:
         if mode == PLAIN:

@@ -189,6 +189,10 @@ def _bucket_delta_cases() -> list[tuple[str, torch.Tensor, int, Optional[torch.T
     dense = torch.where(torch.rand(3000, generator=generator) < 0.6, (predicted + 1) % 14, predicted)
     wide = torch.randint(0, 300, (3000,), generator=generator)
     wide_ids = torch.where(torch.rand(3000, generator=generator) < 0.1, (wide + 7) % 300, wide)
+    # A short stream of dense changes (a bias's), coded under a symmetric model.
+    small_predicted = torch.randint(0, 10, (200,), generator=generator)
+    steps = torch.randint(-2, 3, (200,), generator=generator)
+    small = (small_predicted + steps) % 10
     return [
         ("plain", ids, 14, None, False),
         ("predicted", ids, 14, predicted, False),
@@ -196,6 +200,7 @@ def _bucket_delta_cases() -> list[tuple[str, torch.Tensor, int, Optional[torch.T
         ("dense_predicted", dense, 14, predicted, False),
         ("dense_rearranged", dense, 14, predicted, True),
         ("wide_alphabet", wide_ids, 300, wide, False),
+        ("small_predicted", small, 10, small_predicted, False),
     ]
 
 
