@@ -160,9 +160,8 @@ def test_golden_files_decode_and_encode_the_same(case) -> None:
     # Older stream versions pin what readers must still decode; their levels came from the
     # encoder of that time (k-means++ seeds were drawn differently), so only the current
     # version's cases must also encode the same.
-    # ``even_levels_*`` cases were encoded with levels given as hints, which no config holds;
-    # ``f32_levels_*`` cases hold log-domain levels in float32, as written before bfloat16.
-    check_golden(case, encodes=not case.name.startswith(("v1_", "v2_", "even_levels_", "f32_levels_")))
+    # ``even_levels_*`` cases were encoded with levels given as hints, which no config holds.
+    check_golden(case, encodes=not case.name.startswith(("v1_", "v2_", "even_levels_")))
 
 
 def test_goldens_exist() -> None:
@@ -254,50 +253,3 @@ def test_rehinted_keeps_the_other_hints_and_replaces_the_named_ones() -> None:
     assert torch.equal(again.encode(values).reconstruction, expected.encode(values).reconstruction)
     assert not torch.equal(again.encode(values).reconstruction, codec.encode(values).reconstruction)
     assert type(DynaQuantGroupedCodec(bins=4).rehinted(centroids=first)) is DynaQuantGroupedCodec
-
-
-def _second_moment_like(count: int, seed: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.exp2(torch.randn(count, generator=generator) * 3 - 24)
-
-
-def test_log_domain_levels_are_stored_in_bfloat16() -> None:
-    tensor = _second_moment_like(3000, seed=1)
-    spec = TensorSpec.of(tensor)
-    header = struct.calcsize("<BBHHHHI") + 1  # then the varint protected count (0)
-    encoded = DynaQuantCodec(bins=16, prune=0.0, protect=0.0, domain="log").encode(tensor)
-    stream = bytes(encoded.streams[0])
-    assert stream[1] & 0x10 and stream[1] & 0x01  # bf16 levels, log domain
-    count = struct.unpack_from("<H", stream, 2)[0]
-    levels = torch.frombuffer(bytearray(stream[header:header + 2 * count]), dtype=torch.bfloat16).float()
-    assert torch.equal(torch.sort(levels).values, levels) and float(levels[0]) == 0.0
-    decoded = DynaQuantCodec(bins=16, domain="log").decode([stream], encoded.params, spec, None)
-    assert same_bits(decoded, encoded.reconstruction)
-    # Every decoded value is one of the stored levels, the nearest to it in log2 (but near
-    # a cell's edge, where the ids are assigned from the values' sketch keys).
-    assert set(decoded.unique().tolist()) <= set(levels.tolist())
-    distances = (tensor.log2()[:, None] - levels[1:].log2()[None, :]).abs()
-    assert float((decoded == levels[1:][distances.argmin(dim=1)]).float().mean()) > 0.99
-    # The same tensor in the linear domain keeps float32 levels.
-    linear = DynaQuantCodec(bins=16, prune=0.0, protect=0.0).encode(tensor)
-    assert not bytes(linear.streams[0])[1] & 0x10
-
-
-def test_bfloat16_levels_on_a_linear_table_are_refused() -> None:
-    tensor = torch.randn(500, generator=torch.Generator().manual_seed(2))
-    codec = DynaQuantCodec(bins=8, prune=0.0, protect=0.0)
-    encoded = codec.encode(tensor)
-    forged = bytearray(bytes(encoded.streams[0]))
-    forged[1] |= 0x10
-    with pytest.raises(FormatError):
-        codec.decode([bytes(forged)], encoded.params, TensorSpec.of(tensor), None)
-
-
-def test_streams_with_float32_log_levels_still_decode() -> None:
-    cases = [case for codec_id in ("dynaquant", "dynaquant_delta", "dynaquant_masked", "dynaquant_masked_delta")
-             for case in golden_cases(codec_id) if case.name.startswith("f32_levels_")]
-    assert len(cases) == 5
-    for case in cases:
-        assert not (case / "stream0.bin").read_bytes()[1] & 0x10
-        current = case.parent / case.name.removeprefix("f32_levels_")
-        assert (current / "stream0.bin").read_bytes()[1] & 0x10

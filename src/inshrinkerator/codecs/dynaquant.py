@@ -26,20 +26,15 @@ masks (e.g. by sensitivity) and the tensor's sketch keys through
 Stream layout (one stream, little-endian; ``varint`` is unsigned LEB128)::
 
     u8 version (3; versions 1 and 2 still decode), u8 flags (bit 0: log domain, bit 1: protected values in fp16, else bf16,
-    bit 2: evenly spaced levels, bit 3: ids coded per class of rows, bit 4: levels in bf16), u16 values (n, incl. the zero level), u16 zero index, u16 prune below,
+    bit 2: evenly spaced levels, bit 3: ids coded per class of rows), u16 values (n, incl. the zero level), u16 zero index, u16 prune below,
     u16 protect above, u32 reference fingerprint (0 for a full tensor), varint protected count,
     f32[n] level values (bit 2: one f32 step s instead, n odd, zero index n // 2, the levels
-    ``(k * s)`` for k = -(n // 2)..n // 2, each product in float64 rounded to f32: :func:`even_level_values`;
-    bit 4, log domain only: bf16[n] instead), protected values (2 bytes each), id stream (the rest)
+    ``(k * s)`` for k = -(n // 2)..n // 2, each product in float64 rounded to f32: :func:`even_level_values`),
+    protected values (2 bytes each), id stream (the rest)
 
 In ``dynaquant_grouped`` streams the id stream is one framed stream per octave group of
 the context, ascending (:func:`~.octave_groups.octave_groups`): ``varint length`` + that
 many bytes, and nothing after the last.
-
-Flag bit 4 is set where the levels are in the log domain (second moments): the encoder
-rounds them to bfloat16 before it assigns the ids (:func:`_short_levels`). Readers before
-bits 4 (here) and 5 (of the id stream, :mod:`.bucket_delta`) refuse such streams with a
-``FormatError``.
 
 With flag bit 3 (a tensor of two or more dimensions coded whole, without a reference)
 the id stream is the rows' classes followed by one framed stream per class
@@ -91,7 +86,7 @@ _VERSION = 3
 # Version 1 streams (run tokens and ANS only) and version 2 (direct layout, Huffman) are
 # subsets of version 3 (symbol tuples) and still decode.
 _READABLE_VERSIONS = (1, 2, 3)
-_LOG_FLAG, _FP16_FLAG, _EVEN_FLAG, _ROWS_FLAG, _BF16_LEVELS_FLAG = 1, 2, 4, 8, 16
+_LOG_FLAG, _FP16_FLAG, _EVEN_FLAG, _ROWS_FLAG = 1, 2, 4, 8
 
 _MAX_BINS = 1024
 #: Deltas of tensors up to this size are regrouped by predicted bucket (the sort pays off
@@ -182,28 +177,6 @@ def _fraction(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
         raise ValueError(f"{name} must be a fraction in [0, 1), got {value!r}")
     return float(value)
-
-
-def _in_bf16(table: LevelTable) -> bool:
-    # A log-domain table of levels that bfloat16 holds exactly (:func:`_short_levels`).
-    return table.domain == LOG and bool((table.values.to(torch.bfloat16).float() == table.values).all())
-
-
-def _short_levels(table: LevelTable) -> LevelTable:
-    """A log-domain table with its levels rounded to bfloat16, stored in 2 bytes each.
-
-    Rounding moves a level by at most 2^-9 of itself, 0.0028 of an octave, where a
-    second moment's 16 levels lie a third of an octave or more apart. A level that would
-    round to 0 or overflow keeps the table in float32. Linear tables (weights, first
-    moments) keep float32 levels: their levels can lie closer than bfloat16 resolves.
-    """
-    if table.domain != LOG:
-        return table
-    rounded = table.values.to(torch.bfloat16).float()
-    nonzero = table.values != 0
-    if not bool(torch.isfinite(rounded).all()) or bool((rounded[nonzero] == 0).any()):
-        return table
-    return LevelTable(rounded, table.zero_index, table.domain, table.prune_below, table.protect_above)
 
 
 @register_codec
@@ -340,7 +313,7 @@ class DynaQuantCodec(PreparedEncoding, Codec):
         keys = self._hints.get("keys")
         if keys is None or keys.numel() != flat.numel():
             keys = signed_keys(flat)
-        table = _short_levels(self._table(keys))
+        table = self._table(keys)
         if table.count > MAX_LEVELS:
             raise ValueError(f"{table.count} levels exceed the id coder's {MAX_LEVELS}")
         self._fitted = table
@@ -371,7 +344,7 @@ class DynaQuantCodec(PreparedEncoding, Codec):
         step = _even_step(table)
         flags = (
             (_LOG_FLAG if table.domain == LOG else 0) | (_FP16_FLAG if protected_dtype == torch.float16 else 0)
-            | (_EVEN_FLAG if step is not None else 0) | (_BF16_LEVELS_FLAG if _in_bf16(table) else 0)
+            | (_EVEN_FLAG if step is not None else 0)
         )
         coded_ids, coded_predicted = ids, predicted
         if zeros is not None:  # only the other entries are coded
@@ -410,9 +383,7 @@ class DynaQuantCodec(PreparedEncoding, Codec):
             _VERSION, flags, table.values.numel(), table.zero_index, table.prune_below,
             table.protect_above, fingerprint,
         ) + encode_varint(protected.numel())
-        if flags & _BF16_LEVELS_FLAG:
-            values_bytes = table.values.to(torch.bfloat16).contiguous().view(torch.uint8).numpy().tobytes()
-        elif step is None:
+        if step is None:
             values_bytes = table.values.contiguous().numpy().tobytes()
         else:
             values_bytes = struct.pack("<f", step)
@@ -458,8 +429,7 @@ class DynaQuantCodec(PreparedEncoding, Codec):
             raise CorruptCheckpointError(f"{self.codec_id}: stream is shorter than its header")
         version, flags, count, zero_index, prune_below, protect_above, fingerprint = _LAYOUT.unpack_from(view)
         protected_count, values_start = decode_varint(view, _LAYOUT.size)
-        known = _LOG_FLAG | _FP16_FLAG | _EVEN_FLAG | _ROWS_FLAG | _BF16_LEVELS_FLAG
-        if version not in _READABLE_VERSIONS or flags & ~known:
+        if version not in _READABLE_VERSIONS or flags & ~(_LOG_FLAG | _FP16_FLAG | _EVEN_FLAG | _ROWS_FLAG):
             raise FormatError(f"{self.codec_id}: unknown stream version {version} or flags {flags:#x}")
         if not 1 <= count < MAX_LEVELS or zero_index >= count or protected_count > spec.numel:
             raise FormatError(f"{self.codec_id}: header ({count} levels, zero at {zero_index}) is invalid")
@@ -473,10 +443,7 @@ class DynaQuantCodec(PreparedEncoding, Codec):
         even = bool(flags & _EVEN_FLAG)
         if even and (flags & _LOG_FLAG or count % 2 == 0 or zero_index != count // 2):
             raise FormatError(f"{self.codec_id}: evenly spaced levels need an odd count around the zero level")
-        short = bool(flags & _BF16_LEVELS_FLAG)
-        if short and (even or not flags & _LOG_FLAG):
-            raise FormatError(f"{self.codec_id}: 16-bit levels are written for log-domain tables only")
-        values_end = values_start + (4 if even else 2 * count if short else 4 * count)
+        values_end = values_start + (4 if even else 4 * count)
         protected_end = values_end + protected_count * protected_dtype.itemsize
         if protected_end > len(view):
             raise CorruptCheckpointError(f"{self.codec_id}: stream is shorter than its header says")
@@ -485,8 +452,6 @@ class DynaQuantCodec(PreparedEncoding, Codec):
             if not 0.0 < step < float("inf"):
                 raise CorruptCheckpointError(f"{self.codec_id}: level step {step} is damaged")
             values = even_level_values(step, count // 2)
-        elif short:
-            values = torch.frombuffer(bytearray(view[values_start:values_end]), dtype=torch.bfloat16).float()
         else:
             values = torch.frombuffer(bytearray(view[values_start:values_end]), dtype=torch.float32)
         if not bool(torch.isfinite(values).all()) or float(values[zero_index]) != 0.0:

@@ -19,9 +19,7 @@ the tests decode them but cannot encode them again from the config alone.
 Cases named ``v1_*`` hold streams of DynaQuant stream version 1 (run tokens and ANS
 only) and ``v2_*`` of version 2 (direct layout and Huffman, no symbol tuples), written
 by the version of this script at that format; this script cannot write them any more,
-and the tests check that they still decode. Cases named ``f32_levels_*`` hold log-domain
-streams of version 3 with their levels in float32 (flag bit 4 clear), as the encoder wrote
-them before it rounded such levels to bfloat16. Cases named ``counts_*`` hold low-rank factors
+and the tests check that they still decode. Cases named ``counts_*`` hold low-rank factors
 coded with one count table over both factors (``factor_coding`` absent from their config),
 as the codecs wrote them before the column coding.
 """
