@@ -233,6 +233,7 @@ def test_a_context_stored_after_its_record_is_encoded_first() -> None:
 def test_records_with_a_bad_context_are_refused() -> None:
     import json
 
+    from inshrinkerator.container.format import FORMAT_VERSION
     from inshrinkerator.errors import FormatError
 
     from .container.test_attack_files import SCRIPT
@@ -247,21 +248,21 @@ def test_records_with_a_bad_context_are_refused() -> None:
         forged = json.loads(json.dumps(doc))
         forged["tensors"][second]["context"] = bad
         with pytest.raises(FormatError, match=match):
-            with _reader(SCRIPT.forge_v2(forged, body)) as reader:
+            with _reader(SCRIPT.forge_v2(forged, body, version=FORMAT_VERSION)) as reader:
                 read_state(reader)
     # Contexts that run in a circle: the first moment made the second's context in turn.
     forged = json.loads(json.dumps(doc))
     first = forged["tensors"][second]["context"]
     forged["tensors"][first]["context"] = second
     with pytest.raises(FormatError, match="circle"):
-        with _reader(SCRIPT.forge_v2(forged, body)) as reader:
+        with _reader(SCRIPT.forge_v2(forged, body, version=FORMAT_VERSION)) as reader:
             read_state(reader)
     # A context moved to a record whose codec takes none is refused too.
     forged = json.loads(json.dumps(doc))
     del forged["tensors"][second]["context"]
     forged["tensors"][second - 1]["context"] = 0
     with pytest.raises(FormatError, match="(does not take|needs) a context"):
-        with _reader(SCRIPT.forge_v2(forged, body)) as reader:
+        with _reader(SCRIPT.forge_v2(forged, body, version=FORMAT_VERSION)) as reader:
             read_state(reader)
 
 

@@ -76,7 +76,7 @@ def test_headers_round_trip_in_every_readable_version(version: int) -> None:
     document = json.dumps({"format": "inshrinkerator", "meta": {"k": "v" * 500}}).encode()
     stored = pack_header(document, version)
     assert unpack_header(stored, version, "x") == document
-    assert (len(stored) < len(document) / 5) == (version == 2)
+    assert (len(stored) < len(document) / 5) == (version >= 2)
 
 
 def test_a_version_2_header_is_checked_before_it_is_inflated() -> None:
@@ -184,3 +184,31 @@ def test_header_size_limit_is_enforced_on_both_sides(monkeypatch: pytest.MonkeyP
 def test_parse_header_reports_the_source() -> None:
     with pytest.raises(FormatError, match="^where.ink: "):
         parse_header(b'{"format": "inshrinkerator", "data_bytes": 0, "tensors": [], "skeleton": {"t": 0}}', "where.ink")
+
+
+def _two_section_doc(entries: list[list[int]]) -> bytes:
+    doc = SCRIPT.valid_doc()
+    doc["data_bytes"] = 16
+    doc["tensors"][0]["sections"] = entries
+    return json.dumps(doc).encode()
+
+
+def test_version_3_lists_sections_without_offsets() -> None:
+    import zlib
+
+    first, second = SCRIPT.W_BYTES[:6], SCRIPT.W_BYTES[6:]
+    lengths = [[6, zlib.crc32(first)], [10, zlib.crc32(second)]]
+    header = parse_header(_two_section_doc(lengths), "x", 3)
+    assert [(s.offset, s.length) for s in header.tensors[0].sections] == [(0, 6), (6, 10)]
+    with_offsets = [[0, *lengths[0]], [6, *lengths[1]]]
+    assert parse_header(_two_section_doc(with_offsets), "x", 2).tensors[0].sections == header.tensors[0].sections
+    # each version's entries only: an offset in version 3, none in version 2, is refused
+    with pytest.raises(FormatError, match="bad section entry"):
+        parse_header(_two_section_doc(with_offsets), "x", 3)
+    with pytest.raises(FormatError, match="bad section entry"):
+        parse_header(_two_section_doc(lengths), "x", 2)
+    # lengths that do not add up to the data region are refused as before
+    with pytest.raises(FormatError, match="data region"):
+        parse_header(_two_section_doc([[6, 0], [9, 0]]), "x", 3)
+    with pytest.raises(FormatError, match="outside the data region"):
+        parse_header(_two_section_doc([[6, 0], [11, 0]]), "x", 3)

@@ -48,7 +48,7 @@ def test_golden_file_decodes_to_its_state(name: str) -> None:
 def test_golden_file_layout(name: str) -> None:
     data = (GOLDEN_DIR / name).read_bytes()
     magic, version, flags, header_length, _, reserved = PREAMBLE.unpack(data[: PREAMBLE.size])
-    expected_version = 1 if name in SCRIPT.LEGACY else FORMAT_VERSION
+    expected_version = int(name[1]) if name in SCRIPT.LEGACY else FORMAT_VERSION
     assert (magic, version, flags, reserved) == (MAGIC, expected_version, 0, 0)
     header = json.loads(unpack_header(data[PREAMBLE.size : PREAMBLE.size + header_length], version, name))
     assert header["format"] == "inshrinkerator" and header["meta"]["policy"] == "lossless"
@@ -57,8 +57,8 @@ def test_golden_file_layout(name: str) -> None:
         assert reader.verify() == sum(r.stored_bytes for r in reader.header.tensors)
 
 
-def test_version_2_golden_files_have_no_padding() -> None:
-    for name in SCRIPT.GOLDEN:
+def test_golden_files_from_version_2_on_have_no_padding() -> None:
+    for name in [*SCRIPT.GOLDEN, *(name for name in SCRIPT.LEGACY if name.startswith("v2_"))]:
         with open_container(GOLDEN_DIR / name) as reader:
             stored = sum(r.stored_bytes for r in reader.header.tensors)
             assert all(section.padding == 0 for r in reader.header.tensors for section in r.sections)
@@ -93,3 +93,17 @@ def test_expected_states_are_built_from_exact_integer_arithmetic() -> None:
     assert [int(b) & 0xFFFFFFFF for b in bits[:3]] == [0x7FC00000, 0xFFC00000, 0x7F800001]
     assert int(SCRIPT.hashed(3, 0)[2]) == int(SCRIPT.hashed(5, 0)[2])  # position-wise, no state
     assert int(SCRIPT.weights((4,), 2).view(torch.int32)[0]) == int(SCRIPT.weights((9,), 2).view(torch.int32)[0])
+
+
+def test_version_3_files_are_the_version_2_files_without_section_offsets() -> None:
+    for name in SCRIPT.GOLDEN:
+        current, older = (GOLDEN_DIR / name).read_bytes(), (GOLDEN_DIR / f"v2_{name}").read_bytes()
+        headers = []
+        for data in (current, older):
+            version, header_length = PREAMBLE.unpack(data[: PREAMBLE.size])[1:4:2]
+            headers.append(json.loads(unpack_header(data[PREAMBLE.size : PREAMBLE.size + header_length], version, name)))
+            headers[-1]["data"] = data[PREAMBLE.size + header_length :]
+        for record in headers[1]["tensors"]:
+            record["sections"] = [entry[1:] for entry in record["sections"]]
+        assert headers[0] == headers[1]  # the same records and data, less the offsets
+        assert len(current) < len(older)

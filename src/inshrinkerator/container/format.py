@@ -61,15 +61,16 @@ __all__ = [
     "aligned",
     "context_depths",
     "section_alignment",
+    "section_entry",
     "data_start",
     "expansion_limit",
     "check_expansion",
 ]
 
 MAGIC = b"\x89INK\r\n\x1a\n"
-FORMAT_VERSION = 2
-#: The versions this build reads (docs/format.md describes both).
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+#: The versions this build reads (docs/format.md describes each).
+READABLE_VERSIONS = (1, 2, 3)
 PREAMBLE = struct.Struct("<8sIIQII")
 #: Version 1's alignment of the data region and of every section.
 ALIGNMENT = 64
@@ -162,7 +163,7 @@ def pack_header(document: bytes, version: int = FORMAT_VERSION) -> bytes:
 def unpack_header(stored: bytes, version: int, source: str) -> bytes:
     """The JSON document of a header as stored in a file of ``version``.
 
-    A version-2 header is exactly one zstd frame that declares its content size, at
+    A header from version 2 on is exactly one zstd frame that declares its content size, at
     most :data:`MAX_HEADER_BYTES`; the size is checked before anything is inflated, so
     a forged header cannot make the reader allocate more.
 
@@ -322,16 +323,27 @@ def _load_json(raw: bytes, source: str) -> Any:
             gc.enable()
 
 
+def section_entry(offset: int, length: int, crc: int, version: int = FORMAT_VERSION) -> list[int]:
+    """A section as the header of a file of ``version`` lists it: ``[length, crc32]`` from
+    version 3 on (each section starts where the previous one ends), ``[offset, length,
+    crc32]`` before."""
+    return [length, crc] if version >= 3 else [offset, length, crc]
+
+
 def _parse_sections(
-    raw_sections: Any, cursor: int, data_bytes: int, alignment: int, where: str
+    raw_sections: Any, cursor: int, data_bytes: int, alignment: int, where: str, version: int
 ) -> tuple[tuple[Section, ...], int]:
     if type(raw_sections) is not list:
         raise FormatError(f"{where}: sections must be a list")
     sections = []
+    width = 2 if version >= 3 else 3
     for entry in raw_sections:
-        if not (type(entry) is list and len(entry) == 3 and all(_is_uint(v) for v in entry)):
+        if not (type(entry) is list and len(entry) == width and all(_is_uint(v) for v in entry)):
             raise FormatError(f"{where}: bad section entry {str(entry)[:80]}")
-        offset, length, crc = entry
+        if width == 2:  # the section starts where the previous one ended
+            offset, (length, crc) = cursor, entry
+        else:
+            offset, length, crc = entry
         expected = aligned(cursor, alignment)
         if offset != expected or offset + length > data_bytes or crc >= 1 << 32:
             raise FormatError(
@@ -344,7 +356,9 @@ def _parse_sections(
     return tuple(sections), cursor
 
 
-def _parse_record(item: Any, cursor: int, data_bytes: int, alignment: int, where: str) -> tuple[TensorRecord, int]:
+def _parse_record(
+    item: Any, cursor: int, data_bytes: int, alignment: int, where: str, version: int
+) -> tuple[TensorRecord, int]:
     if type(item) is not dict:
         raise FormatError(f"{where}: record is not an object")
     shape = item.get("shape")
@@ -371,7 +385,7 @@ def _parse_record(item: Any, cursor: int, data_bytes: int, alignment: int, where
     context = item.get("context")
     if context is not None and not _is_uint(context):
         raise FormatError(f"{where}: context must be null or a record index")
-    sections, cursor = _parse_sections(item.get("sections"), cursor, data_bytes, alignment, where)
+    sections, cursor = _parse_sections(item.get("sections"), cursor, data_bytes, alignment, where, version)
     record = TensorRecord(spec, codec, params, sections, reference, context)
     problem = check_expansion(spec, record.stored_bytes, codec)
     if problem is not None:
@@ -402,7 +416,7 @@ def parse_header(raw: bytes, source: str, version: int = FORMAT_VERSION) -> Head
     cursor = 0
     alignment = section_alignment(version)
     for index, item in enumerate(tensors):
-        record, cursor = _parse_record(item, cursor, data_bytes, alignment, f"{source}: tensor #{index}")
+        record, cursor = _parse_record(item, cursor, data_bytes, alignment, f"{source}: tensor #{index}", version)
         records.append(record)
     try:
         context_depths([record.context for record in records])

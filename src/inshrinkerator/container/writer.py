@@ -21,6 +21,7 @@ from .format import (
     pack_header,
     pack_preamble,
     section_alignment,
+    section_entry,
 )
 
 __all__ = ["ContainerWriter"]
@@ -80,7 +81,7 @@ class ContainerWriter:
                 if offset > self._cursor:
                     self._spool.write(b"\0" * (offset - self._cursor))
                 self._spool.write(view)
-                sections.append([offset, view.nbytes, zlib.crc32(view)])
+                sections.append(section_entry(offset, view.nbytes, zlib.crc32(view)))
                 self._cursor = offset + view.nbytes
                 stored += view.nbytes
                 del view, stream  # before the next stream is produced

@@ -16,8 +16,10 @@ Files (name -> state, saved with ``ink.save(..., policy="lossless")``):
 * ``tuned_with_base.ink``: :func:`tuned_state` saved with ``base=base_state()``.
 
 The ``v1_*.ink`` files hold the same states in format version 1 (plain JSON header,
-sections aligned to 64 bytes), written by the release before version 2. The script no
-longer writes them: they are kept to show that version-1 files still decode.
+sections aligned to 64 bytes), written by the release before version 2, and the ``v2_*.ink``
+files in version 2 (each section listed with its offset), written by the release before
+version 3. The script no longer writes them: they are kept to show that such files still
+decode.
 """
 
 from __future__ import annotations
@@ -182,8 +184,9 @@ GOLDEN = {
     "tuned_with_base.ink": (tuned_state, base_state),
 }
 
-#: Format version 1 files of the same states (committed; no longer written).
-LEGACY = {f"v1_{name}": build for name, build in GOLDEN.items()}
+#: Files of the same states in format versions 1 (``v1_*``) and 2 (``v2_*``), committed and
+#: no longer written.
+LEGACY = {f"v{version}_{name}": build for version in (1, 2) for name, build in GOLDEN.items()}
 
 
 def main(directory: Path = HERE) -> None:
