@@ -73,13 +73,28 @@ def _weights(code: int, limit: int) -> list[int]:
 
 
 @functools.lru_cache(maxsize=None)
+def _weight_rows(width: int) -> np.ndarray:
+    """``(MODEL_COUNT, width + 1)`` float64: every model's weights of ``0..width`` (exact:
+    integers below 2**21). A model's weights do not depend on its limit, only their sum."""
+    rows = np.array([_weights(code, width) for code in range(1, MODEL_COUNT + 1)], dtype=np.float64)
+    rows.setflags(write=False)
+    return rows
+
+
+def _probability_rows(limit: int) -> np.ndarray:
+    # Every model's probabilities over -limit..limit (float32), one row per code.
+    half = _weight_rows(max(limit, MAX_STREAM_LIMIT))[:, : limit + 1]
+    weights = np.concatenate([half[:, :0:-1], half], axis=1)
+    # Sums of integers below 2**53 are exact in any order: each row is what it would be alone.
+    return (weights / weights.sum(axis=1, keepdims=True)).astype(np.float32)
+
+
+@functools.lru_cache(maxsize=None)
 def model_probabilities(code: int, limit: int) -> np.ndarray:
     """The probabilities (float32) of symbols ``-limit..limit`` under model ``code``."""
     if not 1 <= code <= MODEL_COUNT:
         raise ValueError(f"model codes lie in 1..{MODEL_COUNT}, got {code}")
-    half = _weights(code, limit)
-    weights = np.array(half[:0:-1] + half, dtype=np.float64)  # exact: integers below 2**53
-    probabilities = (weights / weights.sum()).astype(np.float32)
+    probabilities = _probability_rows(limit)[code - 1].copy()
     probabilities.setflags(write=False)  # shared by every caller (cached)
     return probabilities
 
@@ -94,8 +109,7 @@ def categorical_model(code: int, limit: int) -> Any:
 @functools.lru_cache(maxsize=None)
 def model_costs(limit: int) -> torch.Tensor:
     """``(MODEL_COUNT, 2 * limit + 1)``: bits each model spends on each symbol."""
-    table = np.stack([model_probabilities(code, limit) for code in range(1, MODEL_COUNT + 1)])
-    return -torch.from_numpy(table).to(torch.float64).log2()
+    return -torch.from_numpy(_probability_rows(limit)).to(torch.float64).log2()
 
 
 def best_model(counts: torch.Tensor, limit: int) -> tuple[int, float]:
