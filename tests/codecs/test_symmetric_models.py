@@ -102,3 +102,16 @@ def test_damaged_words_never_decode_outside_the_limit() -> None:
         # Damage inside the words can decode to other valid values; the container's
         # checksum catches that. What must never happen: values outside the range.
         assert out.numel() == values.numel() and int(out.abs().max()) <= 8
+
+
+def test_a_given_model_codes_the_values_and_the_cheapest_by_default() -> None:
+    values = _laplace(500, 2.0, 9, seed=4)
+    counts = torch.bincount(values + 9, minlength=19)
+    code, _ = best_model(counts, 9)
+    assert encode_symmetric(values, 9, code) == encode_symmetric(values, 9)
+    other = 255 if code != 255 else 1
+    data = encode_symmetric(values, 9, other)
+    assert data[1] == other and torch.equal(decode_symmetric(data, values.numel()), values)
+    assert len(data) > len(encode_symmetric(values, 9))
+    with pytest.raises(ValueError):
+        encode_symmetric(values, 9, 0)

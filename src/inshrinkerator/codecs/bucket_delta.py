@@ -416,10 +416,10 @@ def _symmetric_candidate(symbols: torch.Tensor, levels: int, centre: int, to_bea
     limit = max(1, int(values.abs().max()))
     if limit > min(MAX_STREAM_LIMIT, levels // 2):
         return None
-    _, bits = best_model(torch.bincount(values + limit, minlength=2 * limit + 1), limit)
+    code, bits = best_model(torch.bincount(values + limit, minlength=2 * limit + 1), limit)
     if bits / 8 + 2 >= to_beat:  # its limit and code, and the words cannot hold less
         return None
-    coded = encode_symmetric(values, limit)
+    coded = encode_symmetric(values, limit, code)
     return coded if len(coded) < to_beat else None
 
 

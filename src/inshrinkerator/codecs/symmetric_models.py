@@ -21,7 +21,7 @@ code``, then the ANS words (u32; the constriction library's stack coder) of the 
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Optional
 
 import constriction
 import numpy as np
@@ -120,15 +120,19 @@ def best_model(counts: torch.Tensor, limit: int) -> tuple[int, float]:
     return index + 1, float(costs[index])
 
 
-def encode_symmetric(values: torch.Tensor, limit: int) -> bytes:
+def encode_symmetric(values: torch.Tensor, limit: int, code: Optional[int] = None) -> bytes:
     """A symmetric stream of ``values`` (integers within ``+-limit``, ``1 <= limit <=``
-    :data:`MAX_STREAM_LIMIT`) under the model of least cost on their counts."""
+    :data:`MAX_STREAM_LIMIT`) under model ``code``; by default the model of least cost on
+    their counts (:func:`best_model`, for a caller that has not chosen it already)."""
     if not 1 <= limit <= MAX_STREAM_LIMIT:
         raise ValueError(f"a symmetric stream's limit lies in 1..{MAX_STREAM_LIMIT}, got {limit}")
     shifted = values.detach().reshape(-1).cpu().to(torch.int64) + limit
     if shifted.numel() and (int(shifted.min()) < 0 or int(shifted.max()) > 2 * limit):
         raise ValueError(f"values lie outside +-{limit}")
-    code, _ = best_model(torch.bincount(shifted, minlength=2 * limit + 1), limit)
+    if code is None:
+        code, _ = best_model(torch.bincount(shifted, minlength=2 * limit + 1), limit)
+    elif not 1 <= code <= MODEL_COUNT:
+        raise ValueError(f"model codes lie in 1..{MODEL_COUNT}, got {code}")
     coder = constriction.stream.stack.AnsCoder()
     if shifted.numel():
         coder.encode_reverse(shifted.numpy().astype(np.int32), categorical_model(code, limit))
