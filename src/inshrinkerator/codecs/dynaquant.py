@@ -70,6 +70,7 @@ from .nonuniform_quantizer import (
     stick_to_predicted,
 )
 from .octave_groups import ContextGroups
+from .prediction_shift import SHIFT_MIN_ELEMENTS, best_shift, shifted_ids
 from .prepared import PreparedEncoding
 from .registry import register_codec
 from .row_classes import RowGroups, choose_row_classes, matrix_rows, read_row_classes, row_class_header
@@ -86,7 +87,9 @@ _VERSION = 3
 # Version 1 streams (run tokens and ANS only) and version 2 (direct layout, Huffman) are
 # subsets of version 3 (symbol tuples) and still decode.
 _READABLE_VERSIONS = (1, 2, 3)
-_LOG_FLAG, _FP16_FLAG, _EVEN_FLAG, _ROWS_FLAG = 1, 2, 4, 8
+_LOG_FLAG, _FP16_FLAG, _EVEN_FLAG, _ROWS_FLAG, _SHIFT_FLAG = 1, 2, 4, 8, 16
+_KNOWN_FLAGS = _LOG_FLAG | _FP16_FLAG | _EVEN_FLAG | _ROWS_FLAG | _SHIFT_FLAG
+_SHIFT = struct.Struct("<b")
 
 _MAX_BINS = 1024
 #: Deltas of tensors up to this size are regrouped by predicted bucket (the sort pays off
@@ -147,10 +150,12 @@ def check_reference_fingerprint(codec_id: str, fingerprint: int, reference: torc
         )
 
 
-def predicted_ids(table: LevelTable, reference: torch.Tensor) -> torch.Tensor:
-    """The id every element of ``reference`` gets under ``table`` (what a delta is coded against)."""
+def predicted_ids(table: LevelTable, reference: torch.Tensor, shift: int = 0) -> torch.Tensor:
+    """The id every element of ``reference`` gets under ``table`` (what a delta is coded
+    against), its keys first shifted by ``shift`` (:mod:`.prediction_shift`)."""
     flat = reference.detach().reshape(-1)
-    return table.ids(_signed_keys(flat))
+    keys = _signed_keys(flat)
+    return table.ids(keys) if shift == 0 else shifted_ids(table, keys, shift)
 
 
 def magnitude_thresholds(counts: torch.Tensor, prune: float, protect: float) -> tuple[int, int]:
@@ -322,10 +327,14 @@ class DynaQuantCodec(PreparedEncoding, Codec):
             prune_mask = zeros if prune_mask is None else prune_mask | zeros
         ids = assign_ids(keys, table, prune_mask, self._hints.get("protect_mask"))
         predicted = changed = None
-        fingerprint = 0
+        fingerprint = shift = 0
         if reference is not None:
             fingerprint = reference_fingerprint(reference)
-            predicted = table.ids(_signed_keys(reference))
+            reference_keys = _signed_keys(reference)
+            coded = None if zeros is None else ~zeros
+            if table.domain == LOG and reference_keys.numel() >= SHIFT_MIN_ELEMENTS:
+                shift = best_shift(table, reference_keys, ids, coded)
+            predicted = table.ids(reference_keys) if shift == 0 else shifted_ids(table, reference_keys, shift)
             if zeros is None:
                 changed = positions_differing(ids, predicted)
             else:
@@ -344,7 +353,7 @@ class DynaQuantCodec(PreparedEncoding, Codec):
         step = _even_step(table)
         flags = (
             (_LOG_FLAG if table.domain == LOG else 0) | (_FP16_FLAG if protected_dtype == torch.float16 else 0)
-            | (_EVEN_FLAG if step is not None else 0)
+            | (_EVEN_FLAG if step is not None else 0) | (_SHIFT_FLAG if shift else 0)
         )
         coded_ids, coded_predicted = ids, predicted
         if zeros is not None:  # only the other entries are coded
@@ -382,7 +391,7 @@ class DynaQuantCodec(PreparedEncoding, Codec):
         head = _LAYOUT.pack(
             _VERSION, flags, table.values.numel(), table.zero_index, table.prune_below,
             table.protect_above, fingerprint,
-        ) + encode_varint(protected.numel())
+        ) + encode_varint(protected.numel()) + (_SHIFT.pack(shift) if shift else b"")
         if step is None:
             values_bytes = table.values.contiguous().numpy().tobytes()
         else:
@@ -429,8 +438,18 @@ class DynaQuantCodec(PreparedEncoding, Codec):
             raise CorruptCheckpointError(f"{self.codec_id}: stream is shorter than its header")
         version, flags, count, zero_index, prune_below, protect_above, fingerprint = _LAYOUT.unpack_from(view)
         protected_count, values_start = decode_varint(view, _LAYOUT.size)
-        if version not in _READABLE_VERSIONS or flags & ~(_LOG_FLAG | _FP16_FLAG | _EVEN_FLAG | _ROWS_FLAG):
+        if version not in _READABLE_VERSIONS or flags & ~_KNOWN_FLAGS:
             raise FormatError(f"{self.codec_id}: unknown stream version {version} or flags {flags:#x}")
+        shift = 0
+        if flags & _SHIFT_FLAG:
+            if reference is None or not flags & _LOG_FLAG or version < 3:
+                raise FormatError(f"{self.codec_id}: a shifted prediction needs a log-domain delta")
+            if values_start + _SHIFT.size > len(view):
+                raise CorruptCheckpointError(f"{self.codec_id}: stream is shorter than its header")
+            (shift,) = _SHIFT.unpack_from(view, values_start)
+            values_start += _SHIFT.size
+            if shift == 0:
+                raise FormatError(f"{self.codec_id}: a shifted prediction's shift is 0")
         if not 1 <= count < MAX_LEVELS or zero_index >= count or protected_count > spec.numel:
             raise FormatError(f"{self.codec_id}: header ({count} levels, zero at {zero_index}) is invalid")
         if not 1 <= prune_below <= MAGNITUDE_KEYS or protect_above >= MAGNITUDE_KEYS:
@@ -463,7 +482,7 @@ class DynaQuantCodec(PreparedEncoding, Codec):
             protected = torch.frombuffer(bytearray(view[values_end:protected_end]), dtype=protected_dtype)
         else:
             protected = torch.empty(0, dtype=protected_dtype)
-        predicted = None if reference is None else predicted_ids(table, reference)
+        predicted = None if reference is None else predicted_ids(table, reference, shift)
         if flags & _ROWS_FLAG:
             if groups is not None or zeros is not None or reference is not None:
                 raise FormatError(f"{self.codec_id}: row classes code whole tensors without a reference only")
