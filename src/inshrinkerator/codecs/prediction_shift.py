@@ -11,7 +11,7 @@ Multiplying the reference by ``2 ** (shift / 2 ** MANTISSA_BITS)`` before the lo
 adding ``shift`` to the magnitude of its sketch keys (:mod:`.log_sketch`), which is exact,
 cheap and the same on every machine. The writer picks the shift whose predictions give
 the deltas of least order-0 entropy, from a sample of the tensor, and keeps it only where
-that pays for its byte; the decoder adds the stored shift to the reference's keys and
+that is estimated to save at least 1 % of the ids' bits; the decoder adds the stored shift to the reference's keys and
 looks them up in the same table. The reconstruction does not depend on the shift: only
 which deltas the stream carries.
 """
@@ -25,15 +25,13 @@ import torch
 from .log_sketch import MAGNITUDE_KEYS, MANTISSA_BITS, SIGNED_KEYS
 from .nonuniform_quantizer import DIRECT_IDS_FRACTION, FIRST_NON_FINITE_KEY, LevelTable
 
-__all__ = ["MAX_SHIFT", "SHIFT_MIN_ELEMENTS", "best_shift", "shift_keys", "shifted_ids"]
+__all__ = ["SHIFT_MIN_ELEMENTS", "best_shift", "shift_keys", "shifted_ids"]
 
-#: The largest shift stored (one signed byte): about two octaves either way.
-MAX_SHIFT = 127
 #: Shifts tried: up to one octave either way, every key.
 _SEARCH_SHIFT = 1 << MANTISSA_BITS
 #: The first pass tries every this many keys.
 _COARSE_STEP = 8
-#: Tensors under this many coded elements are not searched: their deltas are regrouped by
+#: Tensors of fewer elements are not searched: their deltas are regrouped by
 #: predicted bucket already, and the search would cost more than it saves.
 SHIFT_MIN_ELEMENTS = 4096
 #: The search reads at most this many elements, evenly strided.
@@ -121,7 +119,7 @@ def best_shift(
     coarse = torch.arange(-_SEARCH_SHIFT, _SEARCH_SHIFT + 1, _COARSE_STEP)
     coarse_bits = _delta_bits(table, distinct, joint, coarse)
     centre = int(coarse[int(torch.argmin(coarse_bits))])
-    fine = torch.arange(centre - _COARSE_STEP + 1, centre + _COARSE_STEP)
+    fine = torch.arange(max(centre - _COARSE_STEP + 1, -_SEARCH_SHIFT), min(centre + _COARSE_STEP, _SEARCH_SHIFT + 1))
     fine_bits = _delta_bits(table, distinct, joint, fine)
     best = int(torch.argmin(fine_bits))
     unshifted = float(coarse_bits[_SEARCH_SHIFT // _COARSE_STEP])
