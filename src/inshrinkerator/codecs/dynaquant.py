@@ -26,15 +26,22 @@ masks (e.g. by sensitivity) and the tensor's sketch keys through
 Stream layout (one stream, little-endian; ``varint`` is unsigned LEB128)::
 
     u8 version (3; versions 1 and 2 still decode), u8 flags (bit 0: log domain, bit 1: protected values in fp16, else bf16,
-    bit 2: evenly spaced levels, bit 3: ids coded per class of rows), u16 values (n, incl. the zero level), u16 zero index, u16 prune below,
+    bit 2: evenly spaced levels, bit 3: ids coded per class of rows, bit 4: shifted prediction),
+    u16 values (n, incl. the zero level), u16 zero index, u16 prune below,
     u16 protect above, u32 reference fingerprint (0 for a full tensor), varint protected count,
-    f32[n] level values (bit 2: one f32 step s instead, n odd, zero index n // 2, the levels
+    (bit 4: i8 key shift, not 0), f32[n] level values (bit 2: one f32 step s instead, n odd, zero index n // 2, the levels
     ``(k * s)`` for k = -(n // 2)..n // 2, each product in float64 rounded to f32: :func:`even_level_values`),
     protected values (2 bytes each), id stream (the rest)
 
 In ``dynaquant_grouped`` streams the id stream is one framed stream per octave group of
 the context, ascending (:func:`~.octave_groups.octave_groups`): ``varint length`` + that
 many bytes, and nothing after the last.
+
+With flag bit 4 (a log-domain delta) the predicted ids are those of the reference's keys
+shifted by the stored amount, the reference scaled by ``2 ** (shift / 64)``
+(:mod:`.prediction_shift`): the writer sets it where a second moment has grown or shrunk
+as a whole since its reference. Readers from before it refuse such a stream with a
+``FormatError`` (an unknown flag).
 
 With flag bit 3 (a tensor of two or more dimensions coded whole, without a reference)
 the id stream is the rows' classes followed by one framed stream per class

@@ -119,6 +119,15 @@ def _cases() -> list[tuple[str, Codec, torch.Tensor, Optional[torch.Tensor], Opt
     averaged = (few * 1e-4 + along * spread.sqrt() * 1e-3).float()
     # A second moment whose rows (units) sit octaves apart: its ids are coded per class of rows.
     by_row = _row_octaves((64, 128), 23)
+    # A second moment grown by 40 % since its reference, as Adam's does early on (its bias
+    # correction): the delta is coded against the reference scaled by a stored shift.
+    narrow = torch.exp2(torch.randn((64, 80), generator=torch.Generator().manual_seed(24), dtype=torch.float64) - 20)
+    grown = (narrow * 1.4 * torch.exp2(
+        torch.randn((64, 80), generator=torch.Generator().manual_seed(25), dtype=torch.float64) * 0.1
+    )).float()
+    kept_first = averaged.clone()
+    kept_first.view(-1)[::3] = 0.0  # pruned: the masked delta codes the other entries only
+    narrow_previous = DynaQuantCodec(bins=8, domain="log", protect=0.005).encode(narrow.float()).reconstruction
     return [
         ("dynaquant/float32_bins12_prune_protect", full, base, None, None),
         ("dynaquant/float32_non_finite", DynaQuantCodec(bins=4, protect=0.01), special, None, None),
@@ -136,6 +145,10 @@ def _cases() -> list[tuple[str, Codec, torch.Tensor, Optional[torch.Tensor], Opt
         ("dynaquant_masked_delta/float32_log_domain",
          DynaQuantMaskedDeltaCodec(bins=8, domain="log", protect=0.005, stickiness=0.5), (moment * 1.05).contiguous(),
          log_full.encode(moment).reconstruction, first),
+        ("dynaquant_delta/float32_log_shifted",
+         DynaQuantDeltaCodec(bins=8, domain="log", protect=0.005), grown, narrow_previous, None),
+        ("dynaquant_masked_delta/float32_log_shifted",
+         DynaQuantMaskedDeltaCodec(bins=8, domain="log", protect=0.005), grown, narrow_previous, kept_first),
         ("dynaquant_grouped/float32_by_octave",
          DynaQuantGroupedCodec(bins=8, protect=0.005), follows, None, spread),
         ("dynaquant/even_levels_float32", even, _update(base, 5, 2e-3) - base, None, None),
