@@ -102,13 +102,22 @@ def test_the_policy_holds_no_large_tensor_between_saves(tmp_path) -> None:
     # What an unwatched policy keeps from one save to the next (levels to warm-start from,
     # bin counts) is small; the encoders' inputs (sketch keys, histograms, masks) are
     # dropped, or a large model's state would be held again, in int32, between saves.
+    # The one exception is deliberate: the errors a chain carries (carry_full_error), in
+    # bfloat16, one per weight stored whole; without the option nothing large is held.
     model, states = trained_states(2)
-    policy = DynaQuant()
-    with ink.CheckpointManager(tmp_path / "run", policy=policy) as manager:
-        for index, state in enumerate(states):
-            manager.save(index, state)
-            held = [tuple(t.shape) for t in _tensors_held_by(policy) if t.numel() > 2048]
-            assert held == [], f"after save {index}"
+    for carry in (False, True):
+        policy = DynaQuant(carry_full_error=carry)
+        with ink.CheckpointManager(tmp_path / f"run-{carry}", policy=policy) as manager:
+            for index, state in enumerate(states):
+                manager.save(index, state)
+                carried = _tensors_held_by(policy._memory.carried)
+                held = [
+                    tuple(t.shape) for t in _tensors_held_by(policy)
+                    if t.numel() > 2048 and not any(t is c for c in carried)
+                ]
+                assert held == [], f"after save {index}"
+                assert all(t.dtype == torch.bfloat16 for t in carried)
+                assert bool(carried) == carry
 
 
 def test_watched_gradients_add_the_sensitivity_metric(tmp_path) -> None:

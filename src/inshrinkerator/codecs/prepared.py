@@ -18,14 +18,15 @@ from .base import Encoded
 __all__ = ["PreparedEncoding"]
 
 
-def _identity(tensor: torch.Tensor, reference: Optional[torch.Tensor], context: Optional[torch.Tensor] = None) -> tuple:
-    def one(t: Optional[torch.Tensor]) -> tuple:
-        if t is None:
-            return ()
-        pointer = t.untyped_storage().data_ptr() if t.numel() else 0
-        return (id(t), pointer, t.storage_offset(), tuple(t.shape), t.dtype, t._version)
+def _one(tensor: Optional[torch.Tensor]) -> tuple:
+    if tensor is None:
+        return ()
+    pointer = tensor.untyped_storage().data_ptr() if tensor.numel() else 0
+    return (id(tensor), pointer, tensor.storage_offset(), tuple(tensor.shape), tensor.dtype, tensor._version)
 
-    return one(tensor) + (None,) + one(reference) + (None,) + one(context)
+
+def _identity(tensor: torch.Tensor, reference: Optional[torch.Tensor], context: Optional[torch.Tensor] = None) -> tuple:
+    return (_one(tensor), _one(reference), _one(context))
 
 
 class PreparedEncoding:
@@ -49,6 +50,17 @@ class PreparedEncoding:
     def prepared_result(self) -> Optional[Encoded]:
         """The result the last :meth:`prepare` kept, until an ``encode`` takes it (else None)."""
         return self._prepared[1] if self._prepared is not None else None
+
+    def answer_for(self, made_from: torch.Tensor, stands_for: torch.Tensor) -> bool:
+        """Let the kept result, made from ``made_from``, answer the next ``encode`` of
+        ``stands_for`` (with the same reference and context) instead: a policy that encodes
+        another tensor in a tensor's place (``policies.carried_error``). False, and nothing
+        changed, when the kept result was not made from ``made_from`` as it is now."""
+        if self._prepared is None or self._prepared[0][0] != _one(made_from) or made_from.shape != stands_for.shape:
+            return False
+        identity, encoded = self._prepared
+        self._prepared = ((_one(stands_for),) + identity[1:], encoded)
+        return True
 
     def _take_prepared(
         self, tensor: torch.Tensor, reference: Optional[torch.Tensor], context: Optional[torch.Tensor] = None

@@ -72,6 +72,7 @@ from ..codecs.prepared import PreparedEncoding
 from ..codecs.unchanged import UnchangedCodec
 from ..tree import KeyPath, TensorLeaf, format_key_path
 from .base import ParamGroupPolicy, leaf_nbytes, usable_reference
+from .carried_error import CarriedErrors
 from .dynaquant_moments import MAX_MOMENT_BINS, MOMENT_ROLES, MomentPlanning
 from .dynaquant_search import Point, SearchRecord
 from .dynaquant_weights import PROXY_SCALE, WeightPlanning
@@ -99,6 +100,8 @@ class _Memory:
     optimizer_steps: Optional[int] = None
     #: the watch's backward passes at the last save planned (None: none yet, or nothing watched)
     watched_steps: Optional[int] = None
+    #: weight key -> the error of the whole weights its chain started from (carry_full_error)
+    carried: CarriedErrors = field(default_factory=CarriedErrors)
 
 
 def _check_grid(name: str, values: Any, kind: type, low: float, high: float) -> None:
@@ -236,6 +239,13 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
             (``dynaquant_grouped_low_rank``): a matrix's first moment is an average of its
             recent gradients, lower in rank than its change (docs/dynaquant-measurements.md,
             *First moments as a low-rank product*).
+        carry_full_error: the deltas of a chain keep the error of the whole weights it
+            started from (a full checkpoint's levels) instead of coding it away: their
+            changes are taken from the weights minus that error, remembered in bfloat16
+            (two bytes per lossy weight element, for the chain's life), where that change
+            is the smaller one. Every checkpoint of the chain is then as close to the
+            exact weights as the full checkpoint was, plus its own delta's error
+            (docs/dynaquant-measurements.md, *Carrying the full checkpoint's error*).
         residual_error: a weight stored as its change since the reference (one that
             moved less than its own levels' spacing, or crossed many of them) is rounded
             to evenly spaced levels ``sqrt(12 * residual_error)`` times the change's RMS
@@ -319,6 +329,7 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
     sign_grouped_changes: bool = False
     low_rank_changes: bool = True
     low_rank_first_moments: bool = True
+    carry_full_error: bool = True
     residual_bins: tuple[int, ...] = (10,)
     residual_error: Optional[float] = 0.03
     cell_means: bool = False
@@ -348,7 +359,7 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
         _check_number("sigma", self.sigma, 0.0, 1.0)
         _check_number("stickiness", self.stickiness, 0.0, 4.0)
         for knob in ("precision_only_grows", "joint_moment_mask", "first_moment_octaves", "sign_grouped_changes", "low_rank_changes",
-                     "low_rank_first_moments", "cell_means", "pooled_error", "fisher_pooling"):
+                     "low_rank_first_moments", "carry_full_error", "cell_means", "pooled_error", "fisher_pooling"):
             if not isinstance(getattr(self, knob), bool):
                 raise ValueError(f"{knob} must be a bool, got {getattr(self, knob)!r}")
         _check_number("first_moment_keep", self.first_moment_keep, 0.0, 1.0)
@@ -421,6 +432,13 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
         for index in _equal_to_reference(leaves, references, eligible):
             codecs[index] = UnchangedCodec()
             eligible[index] = False
+        # Deltas of a chain are planned on the weights minus the error of the whole weights
+        # the chain started from, where that is nearer the reference (policies.carried_error).
+        originals = leaves
+        carried_indices = [i for i in layout.indices(TensorRole.WEIGHT) if eligible[i]] if self.carry_full_error else []
+        shifted = self._memory.carried.shifted_leaves(leaves, references, carried_indices)
+        if shifted:
+            leaves = [shifted.get(i, leaf) for i, leaf in enumerate(leaves)]
         change_stats: dict[int, EntropyStats] = {}
         weights = self._plan_weights(leaves, references, layout, eligible, codecs, change_stats)
         small_stats = self._plan_small_changes(leaves, references, layout, codecs, set(frozen))
@@ -497,6 +515,8 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
         # A weight that became its change above (it crossed many cells) may be grouped too.
         grouped.update(self._changes_to_group(leaves, layout, codecs, whole))
         self._group_changes_by_first_moment(leaves, references, codecs, encoded, change_stats, grouped)
+        if self.carry_full_error:
+            self._memory.carried.settle(leaves, originals, references, carried_indices, codecs, shifted)
         for stats in [*change_stats.values(), *small_stats.values()]:
             self._memory.entropy.merge(stats)
         return codecs

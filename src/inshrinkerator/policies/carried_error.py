@@ -1,0 +1,147 @@
+"""A chain keeps the error of the whole weights it started from, instead of paying to remove it.
+
+A full checkpoint stores each weight on levels that lose up to its tolerance budget: the
+reconstruction ``W_F - e_F``. The training process goes on from the exact ``W_F``, so at
+the next delta the weight's change since its reference is ``dW + e_F``: the training
+change plus the full checkpoint's whole error, which a change coded within a share of
+its size then mostly removes. That error is far larger than a few steps' change (the
+digits CNN's largest weight 30 steps after a full checkpoint: 0.244 of squared change,
+0.022 of it training), and removing it took the delta twice the bytes.
+
+The policy remembers ``e_F`` of each weight it stores whole (in bfloat16) and plans later
+deltas of the same chain on ``W - e_F``: the change it codes is then the training change
+(plus what the previous delta's rounding left), and every checkpoint of the chain
+reconstructs the weight within ``e_F`` plus that delta's own error, the full checkpoint's
+error and no more: nothing accumulates, since each delta still codes against the
+reconstruction before it. A weight is planned so only where that change is the smaller
+one (after a restore the process trains on from the reconstruction, and ``W - e_F`` would
+be further from the reference, not nearer), and only a weight stored as its change keeps
+it: one stored on levels of its own starts a new error to carry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+
+from ..codecs import Codec
+from ..codecs._parallel import parallel_map_sized
+from ..codecs.prepared import PreparedEncoding
+from ..codecs.residual import ResidualCodec
+from ..codecs.unchanged import UnchangedCodec
+from ..tree import TensorLeaf, format_key_path
+from .base import leaf_nbytes
+
+__all__ = ["CarriedErrors"]
+
+#: The dtype the remembered errors are held in: half a weight's size, and float32's range
+#: (an error is a small share of its weight; a relative precision of 2^-8 of it is plenty).
+CARRIED_DTYPE = torch.bfloat16
+
+
+def _squared_distance(a: torch.Tensor, b: torch.Tensor) -> float:
+    difference = (a.detach().float() - b.detach().float()).reshape(-1)
+    return float(torch.dot(difference, difference))
+
+
+def _without_sketch(codec: Codec) -> Codec:
+    """``codec`` without the hints that describe the tensor it was planned on (its sketch
+    keys, their histogram, the entropy figures it would add to)."""
+    rehinted = getattr(codec, "rehinted", None)
+    if rehinted is not None:
+        return rehinted(keys=None, counts=None, stats=None)  # type: ignore[no-any-return]
+    return type(codec).from_config(codec.get_config())
+
+
+class CarriedErrors:
+    """Weight key -> the error of the whole weights its chain started from (``W - W_stored``)."""
+
+    def __init__(self) -> None:
+        self._errors: dict[str, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return len(self._errors)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._errors
+
+    def shifted_leaves(
+        self,
+        leaves: Sequence[TensorLeaf],
+        references: Sequence[Optional[torch.Tensor]],
+        indices: Sequence[int],
+    ) -> dict[int, TensorLeaf]:
+        """Leaf index -> the weight minus its carried error, for the weights in ``indices``
+        with a reference whose change that makes smaller (see the module docstring)."""
+        candidates = []
+        for index in indices:
+            error = self._errors.get(format_key_path(leaves[index].path))
+            tensor, reference = leaves[index].tensor, references[index]
+            if (
+                error is not None and reference is not None and tensor.is_floating_point()
+                and error.shape == tensor.shape == reference.shape and error.device == tensor.device
+            ):
+                candidates.append((index, error))
+
+        def shifted(item: tuple[int, torch.Tensor]) -> Optional[TensorLeaf]:
+            index, error = item
+            tensor, reference = leaves[index].tensor.detach(), references[index]
+            moved = (tensor.float() - error.float()).to(tensor.dtype)
+            nearer = _squared_distance(moved, reference) < _squared_distance(tensor, reference)
+            return TensorLeaf(leaves[index].path, moved) if nearer else None
+
+        results = parallel_map_sized(shifted, candidates, [leaf_nbytes(leaves[i]) for i, _ in candidates])
+        return {index: leaf for (index, _), leaf in zip(candidates, results) if leaf is not None}
+
+    def settle(
+        self,
+        leaves: Sequence[TensorLeaf],
+        originals: Sequence[TensorLeaf],
+        references: Sequence[Optional[torch.Tensor]],
+        indices: Sequence[int],
+        codecs: list[Codec],
+        shifted: dict[int, TensorLeaf],
+    ) -> None:
+        """After planning on ``leaves`` (``originals`` with the ``shifted`` ones in their
+        place): hand each shifted weight stored as its change to the writer's ``encode`` of
+        the original tensor, and remember what each weight of ``indices`` carries on.
+
+        A weight stored as its change (or as its reference) keeps its carried error; one
+        stored whole on lossy levels carries their error from now on (a shifted one is
+        encoded afresh from the original tensor first: its codec in ``codecs`` is
+        replaced); any other forgets it.
+        """
+        for index in indices:
+            key = format_key_path(originals[index].path)
+            codec, original = codecs[index], originals[index].tensor
+            if index in shifted:
+                if isinstance(codec, UnchangedCodec):
+                    continue
+                if isinstance(codec, ResidualCodec) and codec.answer_for(shifted[index].tensor, original):
+                    continue
+            if (
+                isinstance(codec, ResidualCodec) or not isinstance(codec, PreparedEncoding) or codec.lossless
+                or codec.uses_context
+            ):
+                self._errors.pop(key, None)
+                continue
+            result = codec.prepared_result
+            if index in shifted or result is None:
+                if index in shifted:
+                    # Planned on the shifted weight: encoded afresh from the original, without
+                    # the shifted weight's own sketch (its levels, thresholds and masks hold).
+                    codec = _without_sketch(codec)
+                    codecs[index] = codec
+                reference = references[index] if codec.uses_reference else None
+                result = codec.prepare(original, reference)  # type: ignore[attr-defined]
+            rebuilt = result.reconstruction
+            if rebuilt is None or rebuilt.shape != original.shape:
+                self._errors.pop(key, None)
+                continue
+            error = (original.detach().float() - rebuilt.float()).to(CARRIED_DTYPE)
+            if bool(torch.isfinite(error).all()):
+                self._errors[key] = error
+            else:
+                self._errors.pop(key, None)

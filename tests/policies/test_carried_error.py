@@ -1,0 +1,97 @@
+"""A chain keeps the error of the whole weights it started from (DynaQuant ``carry_full_error``)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import inshrinkerator as ink
+from inshrinkerator.policies import DynaQuant
+from inshrinkerator.policies.carried_error import CarriedErrors
+from inshrinkerator.tree import TensorLeaf
+
+from .dynaquant_states import codecs_and_bytes, one_thread, small_model, train_steps  # noqa: F401
+
+KEY = "3.weight"  # the small model's one weight large enough to be quantized
+
+
+def _chain(folder, carry: bool, restore: bool = False, deltas: int = 3):
+    """A full checkpoint after 40 steps and ``deltas`` deltas 4 steps apart (a weight that
+    moves less between checkpoints than its levels' spacing: stored as its change); with
+    ``restore``, training goes on from the full checkpoint as loaded (in the same process).
+    Returns the exact weights, the loaded ones and each step's stored bytes of the weight."""
+    model = small_model()
+    optimizer = torch.optim.Adam(model.parameters(), 1e-3)
+    exact, loaded, stored = {}, {}, {}
+    with ink.CheckpointManager(folder, policy=DynaQuant(carry_full_error=carry)) as manager:
+        for step in range(deltas + 1):
+            train_steps(model, optimizer, 4 if step else 40, start=40 + 4 * step if step else 0)
+            state = copy.deepcopy({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+            exact[step] = state["model"][KEY]
+            info = manager.save(step, state)
+            assert info.kind == ("full" if step == 0 else "delta")
+            if restore and step == 0:
+                back = manager.load(0)
+                model.load_state_dict(back["model"])
+                optimizer.load_state_dict(back["optimizer"])
+                exact[step] = back["model"][KEY]
+        for step in range(deltas + 1):
+            loaded[step] = manager.load(step)["model"][KEY]
+    for path in sorted(folder.glob("step-*.ink")):
+        step = int(path.name.split("-")[1])
+        stored[step] = codecs_and_bytes(path)[f"model/{KEY}"][1]
+    return exact, loaded, stored
+
+
+def _squared(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).square().sum())
+
+
+def test_a_chain_keeps_the_full_checkpoints_error_in_fewer_bytes(tmp_path) -> None:
+    exact, carried, with_carry = _chain(tmp_path / "carry", carry=True)
+    _, closed, without = _chain(tmp_path / "closed", carry=False)
+    full_error = _squared(carried[0], exact[0])
+    assert full_error > 0 and _squared(closed[0], exact[0]) == full_error  # the same full checkpoint
+    # The deltas do not pay to remove the full checkpoint's error...
+    assert sum(with_carry[s] for s in (1, 2, 3)) < sum(without[s] for s in (1, 2, 3))
+    for step in (1, 2, 3):
+        change = _squared(exact[step], exact[step - 1])
+        # ... and keep it, plus a small share of the change: nothing builds up along the chain.
+        assert _squared(carried[step], exact[step]) <= 1.2 * full_error + 0.1 * change, step
+        # Without carrying, a delta removes most of it.
+        assert _squared(closed[step], exact[step]) < 0.5 * full_error
+
+
+def test_after_a_restore_the_change_is_coded_as_it_is(tmp_path) -> None:
+    # Training goes on from the full checkpoint as loaded: the weights carry no error of it,
+    # so subtracting it would move them further from the reference.
+    exact, loaded, _ = _chain(tmp_path / "run", carry=True, restore=True, deltas=1)
+    change = _squared(exact[1], exact[0])
+    assert _squared(loaded[1], exact[1]) <= 0.1 * change
+
+
+def test_shifted_only_where_nearer_the_reference() -> None:
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(64, 64, generator=generator)
+    stored = weight + 0.01 * torch.randn(64, 64, generator=generator)  # the full checkpoint
+    carried = CarriedErrors()
+    carried._errors["w"] = (weight - stored).to(torch.bfloat16)
+    moved = weight + 0.001 * torch.randn(64, 64, generator=generator)
+    leaves = [TensorLeaf(("w",), moved)]
+    shifted = carried.shifted_leaves(leaves, [stored], [0])
+    assert list(shifted) == [0]
+    assert _squared(shifted[0].tensor, stored) < 0.1 * _squared(moved, stored)
+    # The process restarted from the stored weights: no shift.
+    restarted = [TensorLeaf(("w",), stored + 0.001 * torch.randn(64, 64, generator=generator))]
+    assert carried.shifted_leaves(restarted, [stored], [0]) == {}
+    # No reference, another shape, or an unknown key: none either.
+    assert carried.shifted_leaves(leaves, [None], [0]) == {}
+    assert carried.shifted_leaves([TensorLeaf(("w",), torch.zeros(64, 63))], [torch.zeros(64, 63)], [0]) == {}
+    assert carried.shifted_leaves([TensorLeaf(("v",), moved)], [stored], [0]) == {}
+
+
+def test_the_option_is_a_bool() -> None:
+    with pytest.raises(ValueError, match="carry_full_error"):
+        DynaQuant(carry_full_error=1)  # type: ignore[arg-type]
