@@ -8,8 +8,9 @@ its size then mostly removes. That error is far larger than a few steps' change 
 digits CNN's largest weight 30 steps after a full checkpoint: 0.244 of squared change,
 0.022 of it training), and removing it took the delta twice the bytes.
 
-The policy remembers ``e_F`` of each weight it stores whole (in bfloat16) and plans later
-deltas of the same chain on ``W - e_F``: the change it codes is then the training change
+The policy remembers ``e_F`` of each weight it stores whole (in bfloat16, in host memory)
+and plans later deltas of the same chain on ``W - e_F``: the change it codes is then the
+training change
 (plus what the previous delta's rounding left), and every checkpoint of the chain
 reconstructs the weight within ``e_F`` plus that delta's own error, the full checkpoint's
 error and no more: nothing accumulates, since each delta still codes against the
@@ -38,6 +39,8 @@ __all__ = ["CarriedErrors"]
 
 #: The dtype the remembered errors are held in: half a weight's size, and float32's range
 #: (an error is a small share of its weight; a relative precision of 2^-8 of it is plenty).
+#: They are held in host memory, whatever device the weights are on: an accelerator's
+#: memory goes to training, and each save copies them over once.
 CARRIED_DTYPE = torch.bfloat16
 
 
@@ -81,14 +84,14 @@ class CarriedErrors:
             tensor, reference = leaves[index].tensor, references[index]
             if (
                 error is not None and reference is not None and tensor.is_floating_point()
-                and error.shape == tensor.shape == reference.shape and error.device == tensor.device
+                and error.shape == tensor.shape == reference.shape
             ):
                 candidates.append((index, error))
 
         def shifted(item: tuple[int, torch.Tensor]) -> Optional[TensorLeaf]:
             index, error = item
             tensor, reference = leaves[index].tensor.detach(), references[index]
-            moved = (tensor.float() - error.float()).to(tensor.dtype)
+            moved = (tensor.float() - error.to(tensor.device).float()).to(tensor.dtype)
             nearer = _squared_distance(moved, reference) < _squared_distance(tensor, reference)
             return TensorLeaf(leaves[index].path, moved) if nearer else None
 
@@ -140,7 +143,7 @@ class CarriedErrors:
             if rebuilt is None or rebuilt.shape != original.shape:
                 self._errors.pop(key, None)
                 continue
-            error = (original.detach().float() - rebuilt.float()).to(CARRIED_DTYPE)
+            error = (original.detach().float() - rebuilt.float()).to("cpu", CARRIED_DTYPE)
             if bool(torch.isfinite(error).all()):
                 self._errors[key] = error
             else:
