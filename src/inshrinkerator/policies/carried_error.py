@@ -10,14 +10,13 @@ digits CNN's largest weight 30 steps after a full checkpoint: 0.244 of squared c
 
 The policy remembers ``e_F`` of each weight it stores whole (in bfloat16, in host memory)
 and plans later deltas of the same chain on ``W - e_F``: the change it codes is then the
-training change
-(plus what the previous delta's rounding left), and every checkpoint of the chain
-reconstructs the weight within ``e_F`` plus that delta's own error, the full checkpoint's
-error and no more: nothing accumulates, since each delta still codes against the
-reconstruction before it. A weight is planned so only where that change is the smaller
-one (after a restore the process trains on from the reconstruction, and ``W - e_F`` would
-be further from the reference, not nearer), and only a weight stored as its change keeps
-it: one stored on levels of its own starts a new error to carry.
+training change (plus what the previous delta's rounding left), and every checkpoint of
+the chain reconstructs the weight within ``e_F`` plus that delta's own error, the full
+checkpoint's error and no more: nothing accumulates, since each delta still codes
+against the reconstruction before it. A weight is planned so only where that change is
+the smaller one (after a restore the process trains on from the reconstruction, and
+``W - e_F`` would be further from the reference, not nearer), and only a weight stored as
+its change keeps it: one stored on levels of its own starts a new error to carry.
 """
 
 from __future__ import annotations
