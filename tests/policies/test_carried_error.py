@@ -95,3 +95,33 @@ def test_shifted_only_where_nearer_the_reference() -> None:
 def test_the_option_is_a_bool() -> None:
     with pytest.raises(ValueError, match="carry_full_error"):
         DynaQuant(carry_full_error=1)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_carrying_chain_restores_through_retention_and_new_full_checkpoints(tmp_path, async_save) -> None:
+    # Retention re-plans a kept step whose base it drops as a full checkpoint (with this
+    # policy), and the run starts a second chain: every kept step still decodes, as close
+    # to the exact weights as its chain's full checkpoint plus a share of its last change.
+    model = small_model()
+    optimizer = torch.optim.Adam(model.parameters(), 1e-3)
+    train_steps(model, optimizer, 40)
+    exact, full_error = {}, {}
+    policy = DynaQuant(carry_full_error=True)
+    with ink.CheckpointManager(
+        tmp_path / "run", policy=policy, full_every=3, keep_last=2, async_save=async_save
+    ) as manager:
+        for step in range(6):
+            train_steps(model, optimizer, 4, start=40 + 4 * step)
+            state = copy.deepcopy({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+            exact[step] = state["model"][KEY]
+            info = manager.save(step, state)
+            if step % 3 == 0:
+                manager.wait()
+                full_error[step] = _squared(manager.load(step)["model"][KEY], exact[step])
+        manager.wait()
+        assert manager.steps() == [4, 5]
+    assert len(policy._memory.carried) == 1 and info.kind == "delta"
+    with ink.CheckpointManager(tmp_path / "run") as reopened:
+        for step in (4, 5):
+            error = _squared(reopened.load(step)["model"][KEY], exact[step])
+            assert error <= 1.2 * full_error[3] + 0.1 * _squared(exact[step], exact[step - 1]), step
