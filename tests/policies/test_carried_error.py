@@ -125,3 +125,42 @@ def test_a_carrying_chain_restores_through_retention_and_new_full_checkpoints(tm
         for step in (4, 5):
             error = _squared(reopened.load(step)["model"][KEY], exact[step])
             assert error <= 1.2 * full_error[3] + 0.1 * _squared(exact[step], exact[step - 1]), step
+
+
+def test_settle_hands_the_shifted_change_to_the_writer_and_keeps_what_each_weight_carries() -> None:
+    from inshrinkerator.codecs.dynaquant import DynaQuantCodec
+    from inshrinkerator.codecs.residual import ResidualCodec
+
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randn(64, 64, generator=generator)
+    reference = weight + 0.01 * torch.randn(64, 64, generator=generator)
+    leaf = TensorLeaf(("w",), weight)
+    shifted = {0: TensorLeaf(("w",), weight - 0.005 * torch.randn(64, 64, generator=generator))}
+
+    def change_codec() -> ResidualCodec:
+        return ResidualCodec(DynaQuantCodec(bins=10, prune=0.0, protect=0.0))
+
+    # Planned and encoded on the shifted weight: the writer's encode of the original gets
+    # that encoding, and the weight keeps its carried error.
+    carried = CarriedErrors()
+    carried._errors["w"] = torch.zeros(64, 64, dtype=torch.bfloat16)
+    codec = change_codec()
+    planned = codec.prepare(shifted[0].tensor, reference)
+    codecs = [codec]
+    carried.settle([shifted[0]], [leaf], [reference], [0], codecs, shifted)
+    assert codecs[0] is codec and "w" in carried
+    assert codec.encode(weight, reference) is planned
+    # Not encoded from the shifted weight (no path of the policy does that): a codec of the
+    # same configuration without its hints takes its place, and the weight carries nothing.
+    stale = change_codec()
+    stale.prepare(weight + 1.0, reference)
+    codecs = [stale]
+    carried.settle([shifted[0]], [leaf], [reference], [0], codecs, shifted)
+    assert codecs[0] is not stale and codecs[0].get_config() == stale.get_config()
+    assert "w" not in carried
+    # A weight stored whole carries the error of its levels from now on.
+    whole = DynaQuantCodec(bins=16, prune=0.0, protect=0.0)
+    codecs = [whole]
+    carried.settle([leaf], [leaf], [None], [0], codecs, {})
+    rebuilt = whole.prepared_result.reconstruction
+    assert torch.allclose(carried._errors["w"].float(), (weight - rebuilt).to(torch.bfloat16).float())

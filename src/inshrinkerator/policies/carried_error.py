@@ -121,8 +121,14 @@ class CarriedErrors:
             if index in shifted:
                 if isinstance(codec, UnchangedCodec):
                     continue
-                if isinstance(codec, ResidualCodec) and codec.answer_for(shifted[index].tensor, original):
-                    continue
+                if isinstance(codec, ResidualCodec):
+                    if codec.answer_for(shifted[index].tensor, original):
+                        continue
+                    # Not encoded from the shifted weight as planned (no path of the policy
+                    # leaves one so): its hints describe that weight's change, not this
+                    # one's, so the writer encodes the original with a codec of the same
+                    # configuration and no hints, against the reference alone.
+                    codecs[index] = type(codec).from_config(codec.get_config())
             if (
                 isinstance(codec, ResidualCodec) or not isinstance(codec, PreparedEncoding) or codec.lossless
                 or codec.uses_context
