@@ -33,6 +33,7 @@ from ..codecs.residual import ResidualCodec
 from ..codecs.unchanged import UnchangedCodec
 from ..tree import TensorLeaf, format_key_path
 from .base import leaf_nbytes
+from .even_levels import change_energy
 
 __all__ = ["CarriedErrors"]
 
@@ -41,11 +42,6 @@ __all__ = ["CarriedErrors"]
 #: They are held in host memory, whatever device the weights are on: an accelerator's
 #: memory goes to training, and each save copies them over once.
 CARRIED_DTYPE = torch.bfloat16
-
-
-def _squared_distance(a: torch.Tensor, b: torch.Tensor) -> float:
-    difference = (a.detach().float() - b.detach().float()).reshape(-1)
-    return float(torch.dot(difference, difference))
 
 
 def _without_sketch(codec: Codec) -> Codec:
@@ -91,7 +87,7 @@ class CarriedErrors:
             index, error = item
             tensor, reference = leaves[index].tensor.detach(), references[index]
             moved = (tensor.float() - error.to(tensor.device).float()).to(tensor.dtype)
-            nearer = _squared_distance(moved, reference) < _squared_distance(tensor, reference)
+            nearer = change_energy(moved, reference) < change_energy(tensor, reference)
             return TensorLeaf(leaves[index].path, moved) if nearer else None
 
         results = parallel_map_sized(shifted, candidates, [leaf_nbytes(leaves[i]) for i, _ in candidates])
@@ -136,12 +132,12 @@ class CarriedErrors:
                 self._errors.pop(key, None)
                 continue
             result = codec.prepared_result
-            if index in shifted or result is None:
-                if index in shifted:
-                    # Planned on the shifted weight: encoded afresh from the original, without
-                    # the shifted weight's own sketch (its levels, thresholds and masks hold).
-                    codec = _without_sketch(codec)
-                    codecs[index] = codec
+            if index in shifted:
+                # Planned on the shifted weight: encoded afresh from the original, without
+                # the shifted weight's own sketch (its levels, thresholds and masks hold).
+                codec = codecs[index] = _without_sketch(codec)
+                result = None
+            if result is None:
                 reference = references[index] if codec.uses_reference else None
                 result = codec.prepare(original, reference)  # type: ignore[attr-defined]
             rebuilt = result.reconstruction
