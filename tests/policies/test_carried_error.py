@@ -1,8 +1,9 @@
-"""A chain keeps the error of the whole weights it started from (DynaQuant ``carry_full_error``)."""
+"""A delta keeps the error a weight was last stored with (DynaQuant ``carry_error``)."""
 
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from .dynaquant_states import codecs_and_bytes, one_thread, small_model, train_s
 KEY = "3.weight"  # the small model's one weight large enough to be quantized
 
 
-def _chain(folder, carry: bool, restore: bool = False, deltas: int = 3):
+def _chain(folder, carry: float, restore: bool = False, deltas: int = 3):
     """A full checkpoint after 40 steps and ``deltas`` deltas 4 steps apart (a weight that
     moves less between checkpoints than its levels' spacing: stored as its change); with
     ``restore``, training goes on from the full checkpoint as loaded (in the same process).
@@ -25,7 +26,7 @@ def _chain(folder, carry: bool, restore: bool = False, deltas: int = 3):
     model = small_model()
     optimizer = torch.optim.Adam(model.parameters(), 1e-3)
     exact, loaded, stored = {}, {}, {}
-    with ink.CheckpointManager(folder, policy=DynaQuant(carry_full_error=carry)) as manager:
+    with ink.CheckpointManager(folder, policy=DynaQuant(carry_error=carry)) as manager:
         for step in range(deltas + 1):
             train_steps(model, optimizer, 4 if step else 40, start=40 + 4 * step if step else 0)
             state = copy.deepcopy({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
@@ -50,8 +51,8 @@ def _squared(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_a_chain_keeps_the_full_checkpoints_error_in_fewer_bytes(tmp_path) -> None:
-    exact, carried, with_carry = _chain(tmp_path / "carry", carry=True)
-    _, closed, without = _chain(tmp_path / "closed", carry=False)
+    exact, carried, with_carry = _chain(tmp_path / "carry", carry=math.inf)
+    _, closed, without = _chain(tmp_path / "closed", carry=0.0)
     full_error = _squared(carried[0], exact[0])
     assert full_error > 0 and _squared(closed[0], exact[0]) == full_error  # the same full checkpoint
     # The deltas do not pay to remove the full checkpoint's error...
@@ -64,10 +65,30 @@ def test_a_chain_keeps_the_full_checkpoints_error_in_fewer_bytes(tmp_path) -> No
         assert _squared(closed[step], exact[step]) < 0.5 * full_error
 
 
+def test_an_error_large_against_the_change_is_coded_away_and_the_smaller_one_kept(tmp_path) -> None:
+    exact, gated, with_gate = _chain(tmp_path / "gated", carry=4.0, deltas=5)
+    _, closed, without = _chain(tmp_path / "closed", carry=0.0, deltas=5)
+    full_error = _squared(gated[0], exact[0])
+    # The full checkpoint's error is several times the first interval's change: the first
+    # delta codes it away, as without carrying (the same bytes, the same weights).
+    assert full_error > 4.0 * _squared(exact[1], exact[0])
+    assert with_gate[1] == without[1] and torch.equal(gated[1], closed[1])
+    refined = _squared(gated[1], exact[1])
+    assert refined < 0.1 * full_error
+    # The later deltas keep that delta's smaller error instead of refining it further...
+    assert sum(with_gate[s] for s in range(2, 6)) < sum(without[s] for s in range(2, 6))
+    for step in range(2, 6):
+        change = _squared(exact[step], exact[step - 1])
+        error = _squared(gated[step], exact[step])
+        assert error <= 1.2 * refined + 0.1 * change, step
+        # ... which stays small against the change, unlike the full checkpoint's error.
+        assert error < 0.5 * change, step
+
+
 def test_after_a_restore_the_change_is_coded_as_it_is(tmp_path) -> None:
     # Training goes on from the full checkpoint as loaded: the weights carry no error of it,
     # so subtracting it would move them further from the reference.
-    exact, loaded, _ = _chain(tmp_path / "run", carry=True, restore=True, deltas=1)
+    exact, loaded, _ = _chain(tmp_path / "run", carry=math.inf, restore=True, deltas=1)
     change = _squared(exact[1], exact[0])
     assert _squared(loaded[1], exact[1]) <= 0.1 * change
 
@@ -90,11 +111,16 @@ def test_shifted_only_where_nearer_the_reference() -> None:
     assert carried.shifted_leaves(leaves, [None], [0]) == {}
     assert carried.shifted_leaves([TensorLeaf(("w",), torch.zeros(64, 63))], [torch.zeros(64, 63)], [0]) == {}
     assert carried.shifted_leaves([TensorLeaf(("v",), moved)], [stored], [0]) == {}
+    # An error large against the change since the reference is not kept: here its squared
+    # size is about 100 times the change's.
+    assert list(carried.shifted_leaves(leaves, [stored], [0], ratio=200.0)) == [0]
+    assert carried.shifted_leaves(leaves, [stored], [0], ratio=50.0) == {}
 
 
-def test_the_option_is_a_bool() -> None:
-    with pytest.raises(ValueError, match="carry_full_error"):
-        DynaQuant(carry_full_error=1)  # type: ignore[arg-type]
+@pytest.mark.parametrize("value", [-1.0, math.nan, True, "4"])
+def test_the_option_is_a_non_negative_number(value) -> None:
+    with pytest.raises(ValueError, match="carry_error"):
+        DynaQuant(carry_error=value)
 
 
 @pytest.mark.parametrize("async_save", [False, True])
@@ -106,7 +132,7 @@ def test_a_carrying_chain_restores_through_retention_and_new_full_checkpoints(tm
     optimizer = torch.optim.Adam(model.parameters(), 1e-3)
     train_steps(model, optimizer, 40)
     exact, full_error = {}, {}
-    policy = DynaQuant(carry_full_error=True)
+    policy = DynaQuant(carry_error=math.inf)
     with ink.CheckpointManager(
         tmp_path / "run", policy=policy, full_every=3, keep_last=2, async_save=async_save
     ) as manager:
@@ -158,6 +184,13 @@ def test_settle_hands_the_shifted_change_to_the_writer_and_keeps_what_each_weigh
     carried.settle([shifted[0]], [leaf], [reference], [0], codecs, shifted)
     assert codecs[0] is not stale and codecs[0].get_config() == stale.get_config()
     assert "w" not in carried
+    # A change coded from the weight itself (not shifted) carries its own error from now on.
+    own = change_codec()
+    codecs = [own]
+    rebuilt = own.prepare(weight, reference).reconstruction
+    carried.settle([leaf], [leaf], [reference], [0], codecs, {})
+    assert codecs[0] is own
+    assert torch.allclose(carried._errors["w"].float(), (weight - rebuilt).to(torch.bfloat16).float())
     # A weight stored whole carries the error of its levels from now on.
     whole = DynaQuantCodec(bins=16, prune=0.0, protect=0.0)
     codecs = [whole]

@@ -102,11 +102,11 @@ def test_the_policy_holds_no_large_tensor_between_saves(tmp_path) -> None:
     # What an unwatched policy keeps from one save to the next (levels to warm-start from,
     # bin counts) is small; the encoders' inputs (sketch keys, histograms, masks) are
     # dropped, or a large model's state would be held again, in int32, between saves.
-    # The one exception is deliberate: the errors a chain carries (carry_full_error), in
-    # bfloat16, one per weight stored whole; without the option nothing large is held.
+    # The one exception is deliberate: the errors the weights carry (carry_error), in
+    # bfloat16, one per lossy weight; without the option nothing large is held.
     model, states = trained_states(2)
     for carry in (False, True):
-        policy = DynaQuant(carry_full_error=carry)
+        policy = DynaQuant(carry_error=4.0 if carry else 0.0)
         with ink.CheckpointManager(tmp_path / f"run-{carry}", policy=policy) as manager:
             for index, state in enumerate(states):
                 manager.save(index, state)

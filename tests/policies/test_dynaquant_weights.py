@@ -720,9 +720,9 @@ def test_a_layer_unfrozen_after_watch_has_its_movement_coded() -> None:
     # later. Whether a weight trains is read at save time, so its small steps are coded as
     # movement, not rounded away as a frozen layer's would be.
     model, _ = _two_layer_state(frozen_first=True)
-    # The delta's own error, not the full checkpoint's error a chain may carry on
+    # The delta's own error, not the stored error a weight may carry on
     # (test_carried_error.py): measured against the reference's error.
-    policy = DynaQuant(carry_full_error=False)
+    policy = DynaQuant(carry_error=0.0)
     policy.watch(model)
     model[0].requires_grad_(True)
     optimizer = torch.optim.Adam(model.parameters(), 1e-4)
@@ -879,10 +879,10 @@ def test_low_rank_changes_store_a_matrix_change_as_a_product_plus_what_it_leaves
         files = [codecs_and_bytes(next(folder.glob(f"step-{step:010d}-*.ink"))) for step in range(3)]
         return [by_key(CheckpointManager(folder).load(step)) for step in range(3)], files
 
-    # Each delta's own error against the change, without the full checkpoint's error a
-    # chain may carry on (test_carried_error.py).
-    factored, files = run(tmp_path / "factored", DynaQuant(carry_full_error=False))
-    plain, plain_files = run(tmp_path / "plain", DynaQuant(low_rank_changes=False, carry_full_error=False))
+    # Each delta's own error against the change, without the stored error a weight may
+    # carry on (test_carried_error.py).
+    factored, files = run(tmp_path / "factored", DynaQuant(carry_error=0.0))
+    plain, plain_files = run(tmp_path / "plain", DynaQuant(low_rank_changes=False, carry_error=0.0))
     assert not any(codec == LowRankResidualCodec.codec_id for step in plain_files for codec, _ in step.values())
     low = [key for key, (codec, _) in files[2].items() if codec == LowRankResidualCodec.codec_id]
     assert low == ["model/3.weight"]

@@ -1,27 +1,32 @@
-"""A chain keeps the error of the whole weights it started from, instead of paying to remove it.
+"""A delta keeps the error a weight was last stored with, instead of paying to remove it.
 
 A full checkpoint stores each weight on levels that lose up to its tolerance budget: the
 reconstruction ``W_F - e_F``. The training process goes on from the exact ``W_F``, so at
 the next delta the weight's change since its reference is ``dW + e_F``: the training
 change plus the full checkpoint's whole error, which a change coded within a share of
-its size then mostly removes. That error is far larger than a few steps' change (the
+its size then mostly removes. That error can be far larger than a few steps' change (the
 digits CNN's largest weight 30 steps after a full checkpoint: 0.244 of squared change,
 0.022 of it training), and removing it took the delta twice the bytes.
 
-The policy remembers ``e_F`` of each weight it stores whole (in bfloat16, in host memory)
-and plans later deltas of the same chain on ``W - e_F``: the change it codes is then the
-training change (plus what the previous delta's rounding left), and every checkpoint of
-the chain reconstructs the weight within ``e_F`` plus that delta's own error, the full
-checkpoint's error and no more: nothing accumulates, since each delta still codes
-against the reconstruction before it. A weight is planned so only where that change is
-the smaller one (after a restore the process trains on from the reconstruction, and
-``W - e_F`` would be further from the reference, not nearer), and only a weight stored as
-its change keeps it: one stored on levels of its own starts a new error to carry.
+The policy remembers the error ``e`` each weight was last stored with (in bfloat16, in
+host memory) and plans the next delta on ``W - e``: the change it codes is then the
+training change (plus what the previous delta's rounding left), and the checkpoint
+reconstructs the weight within ``e`` plus that delta's own error. Nothing accumulates,
+since each delta still codes against the reconstruction before it. Kept along a whole
+chain, ``e`` would stay a full checkpoint's error while the changes shrink with the
+learning rate, and restores from late in such a chain cost accuracy; so a weight is
+planned on ``W - e`` only while ``|e|^2`` is at most ``ratio`` times its change's, and
+only where that change is the smaller one (after a restore the process trains on from
+the reconstruction, and ``W - e`` would be further from the reference, not nearer).
+Otherwise its change is coded from ``W`` itself, which removes most of ``e``, and that
+change's own, smaller error is what the weight carries on. A weight stored on levels of
+its own starts a new error to carry.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+import math
 from typing import Optional
 
 import torch
@@ -70,9 +75,11 @@ class CarriedErrors:
         leaves: Sequence[TensorLeaf],
         references: Sequence[Optional[torch.Tensor]],
         indices: Sequence[int],
+        ratio: float = math.inf,
     ) -> dict[int, TensorLeaf]:
         """Leaf index -> the weight minus its carried error, for the weights in ``indices``
-        with a reference whose change that makes smaller (see the module docstring)."""
+        with a reference whose change that makes smaller (see the module docstring), and
+        whose carried error's squared size is at most ``ratio`` times that change's."""
         candidates = []
         for index in indices:
             error = self._errors.get(format_key_path(leaves[index].path))
@@ -87,8 +94,10 @@ class CarriedErrors:
             index, error = item
             tensor, reference = leaves[index].tensor.detach(), references[index]
             moved = (tensor.float() - error.to(tensor.device).float()).to(tensor.dtype)
-            nearer = change_energy(moved, reference) < change_energy(tensor, reference)
-            return TensorLeaf(leaves[index].path, moved) if nearer else None
+            change = change_energy(moved, reference)
+            nearer = change < change_energy(tensor, reference)
+            small = math.isinf(ratio) or change_energy(error, None) <= ratio * change
+            return TensorLeaf(leaves[index].path, moved) if nearer and small else None
 
         results = parallel_map_sized(shifted, candidates, [leaf_nbytes(leaves[i]) for i, _ in candidates])
         return {index: leaf for (index, _), leaf in zip(candidates, results) if leaf is not None}
@@ -106,9 +115,10 @@ class CarriedErrors:
         place): hand each shifted weight stored as its change to the writer's ``encode`` of
         the original tensor, and remember what each weight of ``indices`` carries on.
 
-        A weight stored as its change (or as its reference) keeps its carried error; one
-        stored whole on lossy levels carries their error from now on (a shifted one is
-        encoded afresh from the original tensor first: its codec in ``codecs`` is
+        A shifted weight stored as its change (or as its reference) keeps its carried
+        error; one whose change was coded from the weight itself carries that change's
+        error from now on, and one stored whole on lossy levels those levels' (a shifted
+        one is encoded afresh from the original tensor first: its codec in ``codecs`` is
         replaced); any other forgets it.
         """
         for index in indices:
@@ -125,6 +135,16 @@ class CarriedErrors:
                     # one's, so the writer encodes the original with a codec of the same
                     # configuration and no hints, against the reference alone.
                     codecs[index] = type(codec).from_config(codec.get_config())
+            if isinstance(codec, ResidualCodec) and index not in shifted:
+                # Stored as its change from the weight itself: the change's own error is
+                # what the weight carries on from here.
+                result = codec.prepared_result
+                rebuilt = result.reconstruction if result is not None else None
+                if rebuilt is not None and rebuilt.shape == original.shape:
+                    self._keep(key, original, rebuilt)
+                else:
+                    self._errors.pop(key, None)
+                continue
             if (
                 isinstance(codec, ResidualCodec) or not isinstance(codec, PreparedEncoding) or codec.lossless
                 or codec.uses_context
@@ -144,8 +164,11 @@ class CarriedErrors:
             if rebuilt is None or rebuilt.shape != original.shape:
                 self._errors.pop(key, None)
                 continue
-            error = (original.detach().float() - rebuilt.float()).to("cpu", CARRIED_DTYPE)
-            if bool(torch.isfinite(error).all()):
-                self._errors[key] = error
-            else:
-                self._errors.pop(key, None)
+            self._keep(key, original, rebuilt)
+
+    def _keep(self, key: str, original: torch.Tensor, rebuilt: torch.Tensor) -> None:
+        error = (original.detach().float() - rebuilt.float()).to("cpu", CARRIED_DTYPE)
+        if bool(torch.isfinite(error).all()):
+            self._errors[key] = error
+        else:
+            self._errors.pop(key, None)

@@ -100,7 +100,7 @@ class _Memory:
     optimizer_steps: Optional[int] = None
     #: the watch's backward passes at the last save planned (None: none yet, or nothing watched)
     watched_steps: Optional[int] = None
-    #: weight key -> the error of the whole weights its chain started from (carry_full_error)
+    #: weight key -> the error its stored weights carry, which later deltas keep (carry_error)
     carried: CarriedErrors = field(default_factory=CarriedErrors)
 
 
@@ -239,15 +239,20 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
             (``dynaquant_grouped_low_rank``): a matrix's first moment is an average of its
             recent gradients, lower in rank than its change (docs/dynaquant-measurements.md,
             *First moments as a low-rank product*).
-        carry_full_error: the deltas of a chain keep the error of the whole weights it
-            started from (a full checkpoint's levels) instead of coding it away: their
-            changes are taken from the weights minus that error, remembered in bfloat16
-            (two bytes per lossy weight element, in host memory, for the chain's life),
-            where that change is the smaller one. Every checkpoint of the chain is then as
-            close to the exact weights as the full checkpoint was, plus its own delta's
-            error. Runs without failures 3-16 % smaller; off by default, since restoring
-            such a checkpoint cost the MiniLM fine-tune 0.2 points of accuracy on average
-            (docs/dynaquant-measurements.md, *Carrying the full checkpoint's error*).
+        carry_error: a delta keeps the error a weight was last stored with (a full
+            checkpoint's levels, or the last change coded against the weight itself)
+            instead of coding it away, while that error's squared size is at most this many
+            times the weight's change since: its change is then taken from the weight minus
+            that error, remembered in bfloat16 (two bytes per lossy weight element, in host
+            memory). Each checkpoint is then as close to the exact weights as the one that
+            last refined them, plus its own delta's error; an error grown large against
+            the changes (which shrink as the learning rate decays) is coded away, and the
+            next one kept. 2.0 stored MiniLM's paired restores 2.2-2.4 % smaller with every
+            restore's accuracy the same (4.0: 3 % smaller, 2 of 16 restores one example
+            worse). 0: never kept; ``math.inf``: a full checkpoint's error is kept along its
+            whole chain, which stores runs without failures smaller still (the digits CNN
+            38.8x instead of 35.8x) and cost MiniLM 0.3 points of accuracy in paired
+            restores (docs/dynaquant-measurements.md, *Carrying the stored error*).
         residual_error: a weight stored as its change since the reference (one that
             moved less than its own levels' spacing, or crossed many of them) is rounded
             to evenly spaced levels ``sqrt(12 * residual_error)`` times the change's RMS
@@ -331,7 +336,7 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
     sign_grouped_changes: bool = False
     low_rank_changes: bool = True
     low_rank_first_moments: bool = True
-    carry_full_error: bool = False
+    carry_error: float = 2.0
     residual_bins: tuple[int, ...] = (10,)
     residual_error: Optional[float] = 0.03
     cell_means: bool = False
@@ -361,11 +366,12 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
         _check_number("sigma", self.sigma, 0.0, 1.0)
         _check_number("stickiness", self.stickiness, 0.0, 4.0)
         for knob in ("precision_only_grows", "joint_moment_mask", "first_moment_octaves", "sign_grouped_changes", "low_rank_changes",
-                     "low_rank_first_moments", "carry_full_error", "cell_means", "pooled_error", "fisher_pooling"):
+                     "low_rank_first_moments", "cell_means", "pooled_error", "fisher_pooling"):
             if not isinstance(getattr(self, knob), bool):
                 raise ValueError(f"{knob} must be a bool, got {getattr(self, knob)!r}")
         _check_number("first_moment_keep", self.first_moment_keep, 0.0, 1.0)
         _check_number("momentum_keep", self.momentum_keep, 0.0, 1.0)
+        _check_number("carry_error", self.carry_error, 0.0, math.inf)
         after = self.first_moment_keep_after
         if isinstance(after, bool) or not isinstance(after, int) or after < 0:
             raise ValueError(f"first_moment_keep_after must be an int >= 0, got {after!r}")
@@ -434,11 +440,12 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
         for index in _equal_to_reference(leaves, references, eligible):
             codecs[index] = UnchangedCodec()
             eligible[index] = False
-        # Deltas of a chain are planned on the weights minus the error of the whole weights
-        # the chain started from, where that is nearer the reference (policies.carried_error).
+        # Deltas are planned on the weights minus the error they were last stored with,
+        # where that is nearer the reference and small against the change
+        # (policies.carried_error).
         originals = leaves
-        carried_indices = [i for i in layout.indices(TensorRole.WEIGHT) if eligible[i]] if self.carry_full_error else []
-        shifted = self._memory.carried.shifted_leaves(leaves, references, carried_indices)
+        carried_indices = [i for i in layout.indices(TensorRole.WEIGHT) if eligible[i]] if self.carry_error > 0 else []
+        shifted = self._memory.carried.shifted_leaves(leaves, references, carried_indices, self.carry_error)
         if shifted:
             leaves = [shifted.get(i, leaf) for i, leaf in enumerate(leaves)]
         change_stats: dict[int, EntropyStats] = {}
@@ -517,7 +524,7 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
         # A weight that became its change above (it crossed many cells) may be grouped too.
         grouped.update(self._changes_to_group(leaves, layout, codecs, whole))
         self._group_changes_by_first_moment(leaves, references, codecs, encoded, change_stats, grouped)
-        if self.carry_full_error:
+        if self.carry_error > 0:
             self._memory.carried.settle(leaves, originals, references, carried_indices, codecs, shifted)
         for stats in [*change_stats.values(), *small_stats.values()]:
             self._memory.entropy.merge(stats)
