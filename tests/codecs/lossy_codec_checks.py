@@ -84,9 +84,13 @@ def golden_cases(codec_id: str) -> list[Path]:
     return sorted(p.parent for p in (GOLDEN / codec_id).glob("*/case.json"))
 
 
-def check_golden(case: Path, encodes: bool = True) -> None:
+def check_golden(case: Path, encodes: bool = True, encode_ulps: int = 0) -> None:
     """Stored streams decode to the stored output bit for bit, and (``encodes``) encoding the
-    stored input reproduces that output (the encoder is deterministic)."""
+    stored input reproduces that output (the encoder is deterministic): bit for bit, or
+    within ``encode_ulps`` units in the last place of the largest value (of the output or
+    its reference), for an encoder whose
+    choices come from linear-algebra routines (QR, SVD, matrix products) whose last bits
+    vary with the CPU's instruction set."""
     meta = json.loads((case / "case.json").read_text())
     codec = get_codec(meta["config"])
     dtype, shape = dtype_from_name(meta["dtype"]), meta["shape"]
@@ -101,7 +105,13 @@ def check_golden(case: Path, encodes: bool = True) -> None:
         return
     tensor = _read_tensor(case / "input.bin", dtype, shape)
     again = codec.encode(tensor, reference, **context)
-    assert same_bits(again.reconstruction, expected), f"{case.name}: encode changed"
+    if encode_ulps == 0:
+        assert same_bits(again.reconstruction, expected), f"{case.name}: encode changed"
+        return
+    largest = max(float(expected.abs().max()), float(reference.abs().max()) if reference is not None else 0.0)
+    ulp = max(largest, torch.finfo(expected.dtype).tiny) * torch.finfo(expected.dtype).eps
+    ulps = float((again.reconstruction.double() - expected.double()).abs().max()) / ulp
+    assert ulps <= encode_ulps, f"{case.name}: encode changed by {ulps:.3g} units in the last place"
 
 
 def check_damaged_streams(

@@ -40,6 +40,10 @@ from .lossy_codec_checks import (
     same_bits,
 )
 
+#: How far a re-encode of a golden case may land from it, in units in the last place of each
+#: value (test_golden).
+ENCODE_ULPS = 64
+
 
 def _moved(shape: tuple[int, ...], rank: int, seed: int, noise: float = 2e-4) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weights, reference)``: a change of about this rank plus some noise, as training makes."""
@@ -222,7 +226,12 @@ def test_matrix_shape() -> None:
 
 @pytest.mark.parametrize("case", golden_cases("residual_low_rank"), ids=lambda p: p.name)
 def test_golden(case) -> None:
-    check_golden(case)
+    # The factors come from QR, SVD and matrix products, whose last bits vary with the CPU's
+    # instruction set (the decoder, integer factors times stored scales, does not): a
+    # re-encode may land some units in the last place of the largest value away (the
+    # products of integer factors sum hundreds of their scales' units), far below any
+    # level spacing (1e-2 of it and more).
+    check_golden(case, encode_ulps=ENCODE_ULPS)
 
 
 def test_goldens_exist() -> None:
@@ -296,7 +305,7 @@ def test_a_grouped_low_rank_codec_refuses_bad_inner_context_and_streams() -> Non
 
 @pytest.mark.parametrize("case", golden_cases("dynaquant_grouped_low_rank"), ids=lambda p: p.name)
 def test_grouped_golden(case) -> None:
-    check_golden(case)
+    check_golden(case, encode_ulps=ENCODE_ULPS)
 
 
 def test_grouped_goldens_exist() -> None:
