@@ -25,8 +25,8 @@ its own starts a new error to carry.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 import math
+from collections.abc import Sequence
 from typing import Optional
 
 import torch
