@@ -26,6 +26,12 @@ def test_bench_writes_json_report_and_plots(tiny: str, tmp_path) -> None:
     for name in PLOT_FILES.values():
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert results["rows"] == saved["rows"]
+    # Notes added to the results' meta (where runs were merged from elsewhere) are rendered.
+    from inshrinkerator.bench.report import render_report
+
+    assert "Note:" not in report
+    saved["meta"]["notes"] = ["the lossless rows ran on another machine"]
+    assert "\nNote: the lossless rows ran on another machine\n" in render_report(saved)
 
 
 def _row(workload: str, policy: str, weights: float, deg: float = 0.0) -> dict:

@@ -134,6 +134,7 @@ def render_report(results: dict[str, Any]) -> str:
         f"{meta['full_every']} saves; training, saving and restoring summed over all runs "
         f"{_compute_minutes(results):.0f} min.",
         "",
+        *[line for note in meta.get("notes", []) for line in (f"Note: {note}", "")],
         "## Protocol",
         "",
         "Each workload trains T steps and checkpoints every C steps through `CheckpointManager` with "
