@@ -266,23 +266,25 @@ class WeightPlanning:
         # The levels' error as the proxy measures it (the larger of the plain and the
         # Fisher-weighted share): evenly spaced levels must not lose more.
         allowed = {index: weights.error(index, encoded[index]) for index in candidates}
-        tried = dict(zip(candidates, parallel_map_sized(encode, candidates, [leaf_nbytes(leaves[i]) for i in candidates])))
-        errors = {index: weights.error(index, result) for index, (_, result) in tried.items()}
-        retried = [
-            index for index, (_, result) in tried.items()
-            if encoded_size(result) < encoded_size(encoded[index])
-            and math.isfinite(errors[index]) and errors[index] > allowed[index]
-        ]
-        for index in retried:
-            shares[index] *= RETRY_MARGIN * allowed[index] / errors[index]
-            stats[index] = EntropyStats()
-        tried.update(zip(retried, parallel_map_sized(encode, retried, [leaf_nbytes(leaves[i]) for i in retried])))
-        errors.update((index, weights.error(index, tried[index][1])) for index in retried)
-        chosen = 0
-        for index, (codec, result) in tried.items():
-            if encoded_size(result) < encoded_size(encoded[index]) and errors[index] <= allowed[index]:
+
+        def store_where_smaller(index: int) -> bool:
+            # Each tensor is tried, retried and settled on its own, so that no more than one
+            # or two encodings per thread are held beside the k-means ones (all of them at
+            # once held the weights' reconstructions twice more: a 2 GiB state's full save
+            # peaked 0.7 of its size higher).
+            codec, result = encode(index)
+            error = weights.error(index, result)
+            if encoded_size(result) < encoded_size(encoded[index]) and math.isfinite(error) and error > allowed[index]:
+                shares[index] *= RETRY_MARGIN * allowed[index] / error
+                stats[index] = EntropyStats()
+                codec, result = encode(index)
+                error = weights.error(index, result)
+            if encoded_size(result) < encoded_size(encoded[index]) and error <= allowed[index]:
                 codecs[index], encoded[index], weights.stats[index] = codec, result, stats[index]
-                chosen += 1
+                return True
+            return False
+
+        chosen = sum(parallel_map_sized(store_where_smaller, candidates, [leaf_nbytes(leaves[i]) for i in candidates]))
         weights.record.config["even_level_tensors"] = chosen
 
     def _changes_to_group(
