@@ -45,3 +45,21 @@ def test_inputs_changed_since_prepare_are_encoded_again(index) -> None:
     encoded = codec.encode(other, needs)  # a different tensor never gets the kept result
     assert encoded is not kept
     assert not torch.equal(encoded.reconstruction, kept.reconstruction)
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_a_dropped_result_is_not_held_and_encode_works_anew(index) -> None:
+    import gc
+    import weakref
+
+    generator = torch.Generator().manual_seed(20 + index)
+    tensor = torch.randn(4096, generator=generator)
+    reference = tensor + 0.01 * torch.randn(4096, generator=generator)
+    codec = _codecs()[index]
+    needs = reference if codec.uses_reference else None
+    held = weakref.ref(codec.prepare(tensor, needs).reconstruction)
+    codec.drop_prepared()
+    gc.collect()
+    assert codec.prepared_result is None and held() is None  # the reconstruction is freed
+    again = codec.encode(tensor, needs)
+    assert again.reconstruction is not None and again.reconstruction.shape == tensor.shape

@@ -62,6 +62,11 @@ class PreparedEncoding:
         self._prepared = ((_one(stands_for),) + identity[1:], encoded)
         return True
 
+    def drop_prepared(self) -> None:
+        """Forget the kept result (a policy that stores the tensor with another codec: the
+        result, a whole reconstruction among it, is not held while the plan goes on)."""
+        self._prepared = None
+
     def _take_prepared(
         self, tensor: torch.Tensor, reference: Optional[torch.Tensor], context: Optional[torch.Tensor] = None
     ) -> Optional[Encoded]:

@@ -20,6 +20,7 @@ from ..codecs.dynaquant import DynaQuantCodec, DynaQuantDeltaCodec
 from ..codecs.dynaquant_context import SignGroupedResidualCodec
 from ..codecs.low_rank import LowRankResidualCodec
 from ..codecs.lossy_input import all_finite, working_dtype
+from ..codecs.prepared import PreparedEncoding
 from ..codecs.nonuniform_quantizer import fit_centroids_batch
 from ..codecs.octave_groups import GROUP_MIN_ELEMENTS
 from ..codecs.unchanged import UnchangedCodec
@@ -200,8 +201,11 @@ class WeightPlanning:
         for index in candidates:
             change = changes[index]
             if encoded_size(change) < encoded_size(encoded[index]) and errors[index] <= allowed[index]:
+                _drop_prepared(codecs[index])
                 codecs[index], encoded[index], weights.stats[index] = as_change[index], change, stats[index]
                 changed += 1
+            else:
+                _drop_prepared(as_change[index])
         weights.record.config["change_coded_tensors"] = changed
         weights.record.config["change_coded_retries"] = len(finer)
 
@@ -280,8 +284,10 @@ class WeightPlanning:
                 codec, result = encode(index)
                 error = weights.error(index, result)
             if encoded_size(result) < encoded_size(encoded[index]) and error <= allowed[index]:
+                _drop_prepared(codecs[index])
                 codecs[index], encoded[index], weights.stats[index] = codec, result, stats[index]
                 return True
+            codec.drop_prepared()
             return False
 
         chosen = sum(parallel_map_sized(store_where_smaller, candidates, [leaf_nbytes(leaves[i]) for i in candidates]))
@@ -853,6 +859,13 @@ class WeightPlanning:
             budgets[index] = self.movement_share * moved / max(trials[index].total_plain, 1e-300)
             squared[index] = moved
         return budgets, squared
+
+
+def _drop_prepared(codec: Codec) -> None:
+    """Let a codec the plan no longer stores with forget its kept encoding (a whole
+    reconstruction among it): another object may still hold the codec until the plan ends."""
+    if isinstance(codec, PreparedEncoding):
+        codec.drop_prepared()
 
 
 @dataclass
