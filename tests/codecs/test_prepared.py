@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -13,13 +16,18 @@ def _codecs():
     return [DynaQuantCodec(bins=16, prune=0.0, protect=0.0), ResidualCodec(inner)]
 
 
-@pytest.mark.parametrize("index", [0, 1])
-def test_prepared_result_is_what_encode_computes_and_is_used_once(index) -> None:
-    generator = torch.Generator().manual_seed(index)
+def _case(seed: int, index: int):
+    """A generator, a tensor, codec ``index`` of ``_codecs`` and the reference it needs (or None)."""
+    generator = torch.Generator().manual_seed(seed)
     tensor = torch.randn(4096, generator=generator)
     reference = tensor + 0.01 * torch.randn(4096, generator=generator)
     codec = _codecs()[index]
-    needs = reference if codec.uses_reference else None
+    return generator, tensor, codec, reference if codec.uses_reference else None
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_prepared_result_is_what_encode_computes_and_is_used_once(index) -> None:
+    _, tensor, codec, needs = _case(index, index)
     prepared = codec.prepare(tensor, needs)
     assert codec.encode(tensor, needs) is prepared  # the writer's call costs nothing
     again = codec.encode(tensor, needs)  # taken once: encoded anew, to the same result
@@ -30,11 +38,7 @@ def test_prepared_result_is_what_encode_computes_and_is_used_once(index) -> None
 
 @pytest.mark.parametrize("index", [0, 1])
 def test_inputs_changed_since_prepare_are_encoded_again(index) -> None:
-    generator = torch.Generator().manual_seed(10 + index)
-    tensor = torch.randn(4096, generator=generator)
-    reference = tensor + 0.01 * torch.randn(4096, generator=generator)
-    codec = _codecs()[index]
-    needs = reference if codec.uses_reference else None
+    generator, tensor, codec, needs = _case(10 + index, index)
     prepared = codec.prepare(tensor, needs)
     tensor.mul_(2.0)  # changed in place: same object, new version counter
     fresh = codec.encode(tensor, needs)
@@ -49,14 +53,7 @@ def test_inputs_changed_since_prepare_are_encoded_again(index) -> None:
 
 @pytest.mark.parametrize("index", [0, 1])
 def test_a_dropped_result_is_not_held_and_encode_works_anew(index) -> None:
-    import gc
-    import weakref
-
-    generator = torch.Generator().manual_seed(20 + index)
-    tensor = torch.randn(4096, generator=generator)
-    reference = tensor + 0.01 * torch.randn(4096, generator=generator)
-    codec = _codecs()[index]
-    needs = reference if codec.uses_reference else None
+    _, tensor, codec, needs = _case(20 + index, index)
     held = weakref.ref(codec.prepare(tensor, needs).reconstruction)
     codec.drop_prepared()
     gc.collect()
