@@ -33,6 +33,7 @@ import torch
 
 from ..codecs import Codec
 from ..codecs._parallel import parallel_map_sized
+from ..codecs.base import Encoded
 from ..codecs.prepared import PreparedEncoding
 from ..codecs.residual import ResidualCodec
 from ..codecs.unchanged import UnchangedCodec
@@ -138,12 +139,7 @@ class CarriedErrors:
             if isinstance(codec, ResidualCodec) and index not in shifted:
                 # Stored as its change from the weight itself: the change's own error is
                 # what the weight carries on from here.
-                result = codec.prepared_result
-                rebuilt = result.reconstruction if result is not None else None
-                if rebuilt is not None and rebuilt.shape == original.shape:
-                    self._keep(key, original, rebuilt)
-                else:
-                    self._errors.pop(key, None)
+                self._keep(key, original, codec.prepared_result)
                 continue
             if (
                 isinstance(codec, ResidualCodec) or not isinstance(codec, PreparedEncoding) or codec.lossless
@@ -160,13 +156,15 @@ class CarriedErrors:
             if result is None:
                 reference = references[index] if codec.uses_reference else None
                 result = codec.prepare(original, reference)  # type: ignore[attr-defined]
-            rebuilt = result.reconstruction
-            if rebuilt is None or rebuilt.shape != original.shape:
-                self._errors.pop(key, None)
-                continue
-            self._keep(key, original, rebuilt)
+            self._keep(key, original, result)
 
-    def _keep(self, key: str, original: torch.Tensor, rebuilt: torch.Tensor) -> None:
+    def _keep(self, key: str, original: torch.Tensor, result: Optional[Encoded]) -> None:
+        """Remember ``original`` minus the reconstruction of ``result`` as the error of
+        ``key``; forget it where there is no such reconstruction or it is not finite."""
+        rebuilt = result.reconstruction if result is not None else None
+        if rebuilt is None or rebuilt.shape != original.shape:
+            self._errors.pop(key, None)
+            return
         error = (original.detach().float() - rebuilt.float()).to("cpu", CARRIED_DTYPE)
         if bool(torch.isfinite(error).all()):
             self._errors[key] = error
