@@ -337,6 +337,8 @@ def main(argv: list[str]) -> int:
                         help="train STEPS steps, then compare Adam's step before and after each policy's save/load")
     parser.add_argument("--last", type=int, default=3, help="paired restores at the last N checkpoints")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    parser.add_argument("--keep", type=Path, default=None, metavar="DIR",
+                        help="keep each failure run's checkpoints under DIR/<workload>-s<seed>-<n>")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     workloads = args.workload or ["digits-cnn"]
@@ -377,8 +379,11 @@ def main(argv: list[str]) -> int:
                 started = time.perf_counter()
                 used: list = []
                 with tempfile.TemporaryDirectory() as folder:
+                    run_dir = Path(folder) / "run"
+                    if args.keep is not None:
+                        run_dir = args.keep / f"{workload}-s{seed}-{specs.index(spec)}"
                     run = run_with_failures(
-                        workload, seed, args.quick, policy, Path(folder) / "run",
+                        workload, seed, args.quick, policy, run_dir,
                         failures=args.failures, full_every=args.full_every, on_new_policy=used.append,
                     ).to_dict()
                 metrics = run_metrics(run, reference)

@@ -795,15 +795,69 @@ def test_a_small_weight_that_trains_is_stored_as_its_change_at_a_delta() -> None
     assert not isinstance(codecs["model/3.bias"], ResidualCodec)
 
 
-def test_a_small_weight_without_optimizer_state_or_reference_stays_exact() -> None:
+def test_a_small_weight_without_optimizer_state_stays_exact() -> None:
     from inshrinkerator.codecs import ResidualCodec
 
     codecs, _, _ = _small_weight_plan(DynaQuant(), with_optimizer=False)
-    assert not isinstance(codecs["model/5.weight"], ResidualCodec)
+    assert codecs["model/5.weight"].lossless
     _, (state,) = trained_states(1)
+    flat = flatten({"model": state["model"]})
+    planned = DynaQuant().plan(flat.tensors, [None] * len(flat.tensors))
+    keys = [format_key_path(leaf.path) for leaf in flat.tensors]
+    assert dict(zip(keys, planned))["model/5.weight"].lossless
+    # with optimizer state and no reference: whole, on evenly spaced levels (not a change)
     flat = flatten(state)
     planned = DynaQuant().plan(flat.tensors, [None] * len(flat.tensors))
     assert not any(isinstance(codec, ResidualCodec) for codec in planned)
+
+
+def _small_weights_saved(tmp_path, policy: DynaQuant) -> tuple[dict, dict, int]:
+    """(the state, its restore, the file's bytes) of the small model saved whole."""
+    _, (state,) = trained_states(1)
+    path = tmp_path / f"{policy.small_weight_error}.ink"
+    info = ink.save(state, path, policy=policy)
+    return state, ink.load(path), info.stored_bytes
+
+
+def test_a_small_weight_at_a_full_checkpoint_loses_about_small_weight_error_of_its_size(tmp_path) -> None:
+    # model/5.weight has 320 values and model/0.weight 72 (under min_numel, from
+    # small_min_numel); model/3.bias 32 (under small_min_numel: exact).
+    state, exact, exact_bytes = _small_weights_saved(tmp_path, DynaQuant(small_weight_error=None))
+    for key in ("5.weight", "0.weight", "3.bias"):
+        assert torch.equal(exact["model"][key], state["model"][key])
+    errors = {}
+    for share in (1e-4, 1e-2):
+        _, restored, stored = _small_weights_saved(tmp_path, DynaQuant(small_weight_error=share))
+        assert stored < exact_bytes
+        weight = state["model"]["5.weight"]
+        errors[share] = float((restored["model"]["5.weight"] - weight).pow(2).sum() / weight.pow(2).sum())
+        assert 0.5 * share <= errors[share] <= 1.5 * share
+        small = state["model"]["0.weight"]
+        assert 0 < float((restored["model"]["0.weight"] - small).pow(2).sum() / small.pow(2).sum()) <= 2 * share
+        assert torch.equal(restored["model"]["3.bias"], state["model"]["3.bias"])
+        # the optimizer state of the weights is planned as before (not the weights' levels)
+        assert restored["optimizer"]["state"][4]["step"] == state["optimizer"]["state"][4]["step"]
+
+
+def test_the_delta_after_a_full_checkpoint_codes_a_small_weight_against_its_restore(tmp_path) -> None:
+    # Closed loop: the change is taken from the full checkpoint's rounded weight, so the
+    # delta restores within residual_error of its own change, not the full's error on top.
+    _, (before, after) = trained_states(2)
+    manager = ink.CheckpointManager(tmp_path / "run")
+    manager.save(1, before)
+    manager.save(2, after)
+    first, second = manager.load(1)["model"]["5.weight"], manager.load(2)["model"]["5.weight"]
+    manager.close()
+    assert not torch.equal(first, before["model"]["5.weight"])
+    moved = float((after["model"]["5.weight"] - first).pow(2).sum())
+    error = float((second - after["model"]["5.weight"]).pow(2).sum())
+    assert error <= 1.5 * DynaQuant().residual_error * moved
+
+
+@pytest.mark.parametrize("share", [0, -1e-4, 2.0, float("nan"), "0.001", True])
+def test_small_weight_error_must_be_a_share_or_none(share) -> None:
+    with pytest.raises(ValueError, match="small_weight_error"):
+        DynaQuant(small_weight_error=share)
 
 
 def test_a_small_weight_holding_nan_or_inf_is_stored_exactly_at_a_delta(tmp_path) -> None:

@@ -298,13 +298,20 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
             +0.06 points of mean degradation; 8 levels cost +0.26 points;
             docs/dynaquant-measurements.md, *Residual levels*).
         min_numel: smaller tensors are stored losslessly (moments: ``moment_min_numel``),
-            but for the weights ``small_min_numel`` takes at deltas.
+            but for the weights ``small_min_numel`` and ``small_weight_error`` take.
         small_min_numel: a weight under ``min_numel`` with at least this many values (a
             bias, a norm layer's scale) that has optimizer state is stored at a delta as
             its change since the reference on evenly spaced levels (``residual_error``, or
             ``residual_bins[0]`` k-means levels) where that is smaller than storing it
             exactly: 3-4 % of the char GPT benchmark's bytes (docs/dynaquant-measurements.md,
             *Small weights stored as their change*). ``min_numel`` or more: always exact.
+        small_weight_error: such a weight stored without a usable reference (at a full
+            checkpoint) is rounded to evenly spaced levels that lose this share of its
+            squared size, where that is smaller than storing it exactly: the char GPT's
+            34 biases and norm scales in 6.4 kB instead of 24.0 kB, about 1 % of each
+            of its values (docs/dynaquant-measurements.md, *Small weights at full
+            checkpoints*). Not where every larger weight stays exact (nothing was
+            feasible, or ``evaluate`` accepted no quantized point). None: exact.
         moment_min_numel: smaller first and second moments are stored losslessly. Those
             of weights under ``min_numel`` (biases, norm layers) get twice the levels and
             are never pruned; stored exactly, they were 6 % of the char GPT benchmark's
@@ -345,6 +352,7 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
     min_numel: int = 1024
     moment_min_numel: int = 64
     small_min_numel: int = 64
+    small_weight_error: Optional[float] = 1e-4
     name: str = "dynaquant"
     _memory: _Memory = field(default_factory=_Memory, init=False, repr=False, compare=False)
 
@@ -363,6 +371,8 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
             _check_number("residual_error", self.residual_error, 1e-9, 1.0)
         if self.first_moment_error is not None:
             _check_number("first_moment_error", self.first_moment_error, 1e-9, 1.0)
+        if self.small_weight_error is not None:
+            _check_number("small_weight_error", self.small_weight_error, 1e-12, 1.0)
         _check_number("sigma", self.sigma, 0.0, 1.0)
         _check_number("stickiness", self.stickiness, 0.0, 4.0)
         for knob in ("precision_only_grows", "joint_moment_mask", "first_moment_octaves", "sign_grouped_changes", "low_rank_changes",
@@ -451,6 +461,14 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
         change_stats: dict[int, EntropyStats] = {}
         weights = self._plan_weights(leaves, references, layout, eligible, codecs, change_stats)
         small_stats = self._plan_small_changes(leaves, references, layout, codecs, set(frozen))
+        # Small weights are rounded at a full checkpoint unless the large ones all stay exact
+        # (nothing was feasible, or ``evaluate`` accepted no quantized point).
+        large = [
+            i for i in layout.indices(TensorRole.WEIGHT)
+            if leaves[i].tensor.is_floating_point() and leaves[i].tensor.numel() >= self.min_numel
+        ]
+        if not large or any(not codecs[i].lossless for i in large):
+            small_stats.update(self._plan_small_wholes(leaves, references, layout, codecs, set(frozen)))
         steps = self._steps_since_last_checkpoint(leaves, references)
         first_keep = self._keep_at(self.first_moment_keep, steps)
         momentum_keep = self._keep_at(self.momentum_keep, steps)

@@ -27,7 +27,7 @@ from ..codecs.unchanged import UnchangedCodec
 from ..tree import TensorLeaf, format_key_path
 from .base import encoded_size, leaf_nbytes, usable_reference
 from .dynaquant_search import ConfigurationCube, Point, SearchRecord
-from .even_levels import change_energy, change_plan, pooled_shares, step_levels
+from .even_levels import change_energy, change_plan, even_levels, pooled_shares, spread, step_levels
 from .quantization_trials import MAGNITUDE, TrialConfig, WeightTrial
 from .state_layout import StateLayout, TensorRole
 
@@ -50,6 +50,10 @@ CHANGE_TRIAL_BITS = 1.5
 #: was weighed by each weight's Fisher mean (``fisher_pooling``); with that, the whole
 #: budget stored the yardstick's runs 0.3-3.9 % smaller at the same degradation.
 POOLED_BUDGET_MARGIN = 1.0
+
+#: The ``bins`` a small weight on evenly spaced levels is configured with (its levels come
+#: from ``small_weight_error``; the config is only what the file records).
+SMALL_WEIGHT_BINS = 16
 
 #: A weight's change rounded a second time because the first missed its own budget
 #: (mostly by the Fisher-weighted error, which the pool does not cap) aims at this much
@@ -99,6 +103,7 @@ class WeightPlanning:
     low_rank_changes: bool
     min_numel: int
     small_min_numel: int
+    small_weight_error: Optional[float]
     _memory: _Memory
 
     def _plan_small_changes(
@@ -135,6 +140,44 @@ class WeightPlanning:
             if encoded_size(change) < encoded_size(exact):
                 codecs[index] = codec
                 chosen[index] = stats[index]
+        return chosen
+
+    def _plan_small_wholes(
+        self,
+        leaves: Sequence[TensorLeaf],
+        references: Sequence[Optional[torch.Tensor]],
+        layout: StateLayout,
+        codecs: list[Codec],
+        frozen: set[int],
+    ) -> dict[int, EntropyStats]:
+        """Weights under ``min_numel`` (biases, norm layers; from ``small_min_numel`` values)
+        with optimizer state and no usable reference (a full checkpoint's), stored on evenly
+        spaced levels that lose ``small_weight_error`` of their squared size, where that is
+        smaller than the lossless encoding already planned. Returns the entropy figures by
+        leaf index."""
+        if self.small_weight_error is None:
+            return {}
+        whole = [
+            i for i in layout.indices(TensorRole.WEIGHT)
+            if i not in frozen and leaves[i].tensor.is_floating_point()
+            and self.small_min_numel <= leaves[i].tensor.numel() < self.min_numel
+            and layout.optimizer_state_of(i) and usable_reference(leaves[i].tensor, references[i]) is None
+            and all_finite(leaves[i].tensor)
+        ]
+        chosen: dict[int, EntropyStats] = {}
+        for index in whole:
+            tensor = leaves[index].tensor.detach()
+            centroids, prune_below = even_levels(*spread(tensor.reshape(-1).to(working_dtype(tensor.dtype))), self.small_weight_error)
+            stats = EntropyStats()
+            codec = DynaQuantCodec(bins=SMALL_WEIGHT_BINS, prune=0.0, protect=0.0, sigma=self.sigma).with_hints(
+                centroids=centroids, prune_below=prune_below, stats=stats,
+            )
+            stored = codec.prepare(tensor)
+            if encoded_size(stored) < encoded_size(codecs[index].encode(tensor, references[index])):
+                codecs[index] = codec
+                chosen[index] = stats
+            else:
+                codec.drop_prepared()
         return chosen
 
     def _store_changes_where_smaller(
