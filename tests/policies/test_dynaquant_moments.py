@@ -619,3 +619,38 @@ def test_a_whole_first_moment_of_few_directions_is_stored_as_a_product(tmp_path)
 def test_low_rank_first_moments_must_be_a_bool() -> None:
     with pytest.raises(ValueError, match="low_rank_first_moments"):
         DynaQuant(low_rank_first_moments="yes")  # type: ignore[arg-type]
+
+
+def test_a_small_second_moment_is_stored_on_a_log_lattice(monkeypatch) -> None:
+    # 2 ** (k / 4): the table is two numbers, and the same levels at every checkpoint.
+    import math
+
+    from inshrinkerator.codecs import TensorSpec
+    from inshrinkerator.policies import dynaquant_moments
+
+    _, (before, after) = trained_states(2)
+    flat, earlier = flatten(after), flatten(before)
+    paths = [format_key_path(leaf.path) for leaf in flat.tensors]
+    key = "optimizer/state/4/exp_avg_sq"  # the 320-value weight's: under min_numel
+    index = paths.index(key)
+    v = flat.tensors[index].tensor
+    sizes = {}
+    for lattice in (True, False):
+        if not lattice:
+            monkeypatch.setattr(dynaquant_moments, "MAX_LATTICE_LEVELS", 0)
+        for references in ([None] * len(paths), [leaf.tensor for leaf in earlier.tensors]):
+            codec = DynaQuant().plan(flat.tensors, references)[index]
+            reference = references[index] if codec.uses_reference else None
+            assert (reference is None) == (references[index] is None)
+            encoded = codec.encode(v, reference)
+            stream = bytes(encoded.streams[0])
+            assert bool(stream[1] & 4) == lattice and stream[1] & 1
+            decoded = codec.decode(encoded.streams, encoded.params, TensorSpec.of(v), reference)
+            assert torch.equal(decoded, encoded.reconstruction)
+            sizes[lattice, reference is None] = len(stream)
+            if lattice:
+                off = torch.log2(decoded[v > 0] / v[v > 0]).abs()
+                protected = math.ceil(0.005 * v.numel())
+                assert int((off > 0.125 + math.log2(1 + 2**-6)).sum()) <= protected
+    for whole in (True, False):
+        assert sizes[True, whole] < sizes[False, whole]

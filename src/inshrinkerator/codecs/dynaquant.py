@@ -30,7 +30,9 @@ Stream layout (one stream, little-endian; ``varint`` is unsigned LEB128)::
     u16 values (n, incl. the zero level), u16 zero index, u16 prune below,
     u16 protect above, u32 reference fingerprint (0 for a full tensor), varint protected count,
     (bit 4: i8 key shift, not 0), f32[n] level values (bit 2: one f32 step s instead, n odd, zero index n // 2, the levels
-    ``(k * s)`` for k = -(n // 2)..n // 2, each product in float64 rounded to f32: :func:`even_level_values`),
+    ``(k * s)`` for k = -(n // 2)..n // 2, each product in float64 rounded to f32: :func:`even_level_values`;
+    bits 2 and 0, a log-domain table on a lattice: u8 divisions q (1..64) and i32 first k instead, zero index 0, the
+    levels 0 and ``2 ** (k / q)`` for k = first..first + n - 2, each the f32 nearest it: :mod:`.log_lattice`),
     protected values (2 bytes each), id stream (the rest)
 
 In ``dynaquant_grouped`` streams the id stream is one framed stream per octave group of
@@ -42,6 +44,9 @@ shifted by the stored amount, the reference scaled by ``2 ** (shift / 64)``
 (:mod:`.prediction_shift`): the writer sets it where a second moment has grown or shrunk
 as a whole since its reference. Readers from before it refuse such a stream with a
 ``FormatError`` (an unknown flag).
+
+Flag bits 2 and 0 together (a log-domain table on a lattice) were refused by readers from
+before them with a ``FormatError``.
 
 With flag bit 3 (a tensor of two or more dimensions coded whole, without a reference)
 the id stream is the rows' classes followed by one framed stream per class
@@ -62,6 +67,7 @@ from ._numpy_paths import nonzero_positions, positions_differing, positions_of
 from ._parallel import parallel_map_sized
 from .base import Codec, Encoded, TensorSpec
 from .bucket_delta import MAX_LEVELS, EntropyStats, decode_bucket_ids, encode_bucket_ids, id_dtype
+from .log_lattice import MAX_DIVISIONS, find_lattice, lattice_values
 from .log_sketch import MAGNITUDE_KEYS, MANTISSA_BITS, SIGNED_KEYS, signed_keys
 from .nonuniform_quantizer import (
     CentroidFit,
@@ -85,7 +91,7 @@ from .scratch import scratch
 from .varint import decode_varint, encode_varint
 
 __all__ = [
-    "DynaQuantCodec", "DynaQuantDeltaCodec", "check_reference_fingerprint", "magnitude_thresholds",
+    "LATTICE_DIVISIONS", "DynaQuantCodec", "DynaQuantDeltaCodec", "check_reference_fingerprint", "magnitude_thresholds",
     "predicted_ids", "reference_fingerprint",
 ]
 
@@ -97,6 +103,10 @@ _READABLE_VERSIONS = (1, 2, 3)
 _LOG_FLAG, _FP16_FLAG, _EVEN_FLAG, _ROWS_FLAG, _SHIFT_FLAG = 1, 2, 4, 8, 16
 _KNOWN_FLAGS = _LOG_FLAG | _FP16_FLAG | _EVEN_FLAG | _ROWS_FLAG | _SHIFT_FLAG
 _SHIFT = struct.Struct("<b")
+_LATTICE = struct.Struct("<Bi")
+#: The divisions per octave of the log lattices a writer recognises in a table (a policy
+#: that wants its levels stored as a lattice builds them with one of these).
+LATTICE_DIVISIONS = (4,)
 
 _MAX_BINS = 1024
 #: Deltas of tensors up to this size are regrouped by predicted bucket (the sort pays off
@@ -126,6 +136,14 @@ def _even_step(table: LevelTable) -> Optional[float]:
     if not 0.0 < step < float("inf") or not torch.equal(even_level_values(step, count // 2), values):
         return None
     return step
+
+
+def _log_lattice(table: LevelTable) -> Optional[tuple[int, int]]:
+    """``(divisions, first)`` of a log-domain table whose non-zero levels are exactly a
+    lattice of :data:`LATTICE_DIVISIONS` (:mod:`.log_lattice`), else None."""
+    if table.domain != LOG or table.zero_index != 0 or table.values.numel() < 2:
+        return None
+    return find_lattice(table.values[1:], LATTICE_DIVISIONS)
 
 
 def reference_fingerprint(reference: torch.Tensor) -> int:
@@ -358,9 +376,10 @@ class DynaQuantCodec(PreparedEncoding, Codec):
         protected_dtype = torch.float16 if tensor.dtype == torch.float16 else torch.bfloat16
         protected = flat[protected_positions].to(protected_dtype)
         step = _even_step(table)
+        lattice = _log_lattice(table)
         flags = (
             (_LOG_FLAG if table.domain == LOG else 0) | (_FP16_FLAG if protected_dtype == torch.float16 else 0)
-            | (_EVEN_FLAG if step is not None else 0) | (_SHIFT_FLAG if shift else 0)
+            | (_EVEN_FLAG if step is not None or lattice is not None else 0) | (_SHIFT_FLAG if shift else 0)
         )
         coded_ids, coded_predicted = ids, predicted
         if zeros is not None:  # only the other entries are coded
@@ -399,10 +418,12 @@ class DynaQuantCodec(PreparedEncoding, Codec):
             _VERSION, flags, table.values.numel(), table.zero_index, table.prune_below,
             table.protect_above, fingerprint,
         ) + encode_varint(protected.numel()) + (_SHIFT.pack(shift) if shift else b"")
-        if step is None:
-            values_bytes = table.values.contiguous().numpy().tobytes()
-        else:
+        if lattice is not None:
+            values_bytes = _LATTICE.pack(*lattice)
+        elif step is not None:
             values_bytes = struct.pack("<f", step)
+        else:
+            values_bytes = table.values.contiguous().numpy().tobytes()
         protected_bytes = protected.cpu().contiguous().view(torch.uint8).numpy().tobytes()
         rebuilt = reconstruct(ids, table, protected, tensor.dtype, tuple(tensor.shape), protected_positions)
         # The keys are a function of the tensor (recomputed if it is encoded again): a codec
@@ -467,13 +488,25 @@ class DynaQuantCodec(PreparedEncoding, Codec):
             check_reference_fingerprint(self.codec_id, fingerprint, reference)
         protected_dtype = torch.float16 if flags & _FP16_FLAG else torch.bfloat16
         even = bool(flags & _EVEN_FLAG)
-        if even and (flags & _LOG_FLAG or count % 2 == 0 or zero_index != count // 2):
+        lattice = even and bool(flags & _LOG_FLAG)
+        if lattice and (zero_index != 0 or count < 2):
+            raise FormatError(f"{self.codec_id}: a log lattice needs the zero level first and a level after it")
+        if even and not lattice and (count % 2 == 0 or zero_index != count // 2):
             raise FormatError(f"{self.codec_id}: evenly spaced levels need an odd count around the zero level")
-        values_end = values_start + (4 if even else 4 * count)
+        values_end = values_start + (_LATTICE.size if lattice else 4 if even else 4 * count)
         protected_end = values_end + protected_count * protected_dtype.itemsize
         if protected_end > len(view):
             raise CorruptCheckpointError(f"{self.codec_id}: stream is shorter than its header says")
-        if even:
+        if lattice:
+            divisions, first = _LATTICE.unpack_from(view, values_start)
+            if not 1 <= divisions <= MAX_DIVISIONS:
+                raise CorruptCheckpointError(f"{self.codec_id}: {divisions} divisions per octave: the lattice is damaged")
+            try:
+                levels = lattice_values(divisions, first, count - 1)
+            except ValueError as error:
+                raise CorruptCheckpointError(f"{self.codec_id}: {error}: the lattice is damaged") from None
+            values = torch.cat([torch.zeros(1, dtype=torch.float32), levels])
+        elif even:
             (step,) = struct.unpack_from("<f", view, values_start)
             if not 0.0 < step < float("inf"):
                 raise CorruptCheckpointError(f"{self.codec_id}: level step {step} is damaged")
