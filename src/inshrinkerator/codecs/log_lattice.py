@@ -67,8 +67,10 @@ def lattice_values(divisions: int, first: int, count: int) -> torch.Tensor:
     fractions = torch.tensor(octave_fractions(divisions), dtype=torch.float64)
     steps = torch.arange(first, first + count, dtype=torch.int64)
     octaves = torch.div(steps, divisions, rounding_mode="floor")
-    # A float32 in [1, 2) times 2 ** e is exact in float64 and, inside the normal range, in float32.
-    values = fractions[steps - octaves * divisions] * torch.pow(2.0, octaves.to(torch.float64))
+    # 2 ** e built from its float64 bits (no pow, whose vectorised forms may round), and a
+    # float32 in [1, 2) times it: exact in float64 and, inside the normal range, in float32.
+    powers = ((octaves + 1023) << 52).view(torch.float64)
+    values = fractions[steps - octaves * divisions] * powers
     return values.to(torch.float32)
 
 
