@@ -21,14 +21,14 @@ Run: ``python benchmarks/small_tensors.py --workload stdlib-char-gpt --step 360`
 from __future__ import annotations
 
 import argparse
+import copy
 
 import torch
 
 from inshrinkerator.bench.recovery import torch_threads
 from inshrinkerator.bench.workloads import WORKLOADS, make_workload
 from inshrinkerator.codecs.base import TensorSpec
-from inshrinkerator.policies import DynaQuant
-from inshrinkerator.policies import dynaquant_moments
+from inshrinkerator.policies import DynaQuant, dynaquant_moments
 from inshrinkerator.policies.base import encoded_size
 from inshrinkerator.policies.state_layout import TensorRole, layout_of, param_group_ids
 from inshrinkerator.tree import flatten
@@ -45,18 +45,8 @@ def states_at(name: str, seed: int, step: int) -> tuple[dict, dict]:
     for done in range(step):
         workload.train_step(done)
         if done + 1 in (step - every, step):
-            states[done + 1] = _copy(workload.state())
+            states[done + 1] = copy.deepcopy(workload.state())
     return states[step - every], states[step]
-
-
-def _copy(value: object) -> object:
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: _copy(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_copy(v) for v in value]
-    return value
 
 
 def planned(policy: DynaQuant, state: dict, leaves, references, indices) -> tuple[int, list[torch.Tensor]]:

@@ -503,8 +503,8 @@ def test_a_weight_that_crossed_many_cells_is_stored_as_its_change_where_that_is_
     # Moved 0.3 of its spread, model/3.weight's level ids cost ~3.6 bits per element and its
     # change on 10 levels ~3.2: the change is stored. Moved 0.1, the ids cost ~2.7 bits, the
     # change is encoded too but loses, and the level ids stay.
-    from inshrinkerator.codecs import ResidualCodec
     import inshrinkerator.policies.dynaquant_weights as weights_module
+    from inshrinkerator.codecs import ResidualCodec
 
     config, error, size = _moved_weight_coding(DynaQuant(), spread)
     assert config["change_coded_tensors"] == int(as_change)
@@ -607,9 +607,9 @@ def test_the_entropy_figures_count_the_encodings_stored_not_those_discarded(monk
     # model/3.weight moved 0.3 of its spread: its level ids are encoded, then its change,
     # which is stored. The policy's entropy figures count the change's coded symbols, not
     # the discarded ids'; everything else is planned alike with and without the change trial.
+    import inshrinkerator.policies.dynaquant_weights as weights_module
     from inshrinkerator.codecs import ResidualCodec
     from inshrinkerator.codecs.bucket_delta import EntropyStats
-    import inshrinkerator.policies.dynaquant_weights as weights_module
 
     _, (state,) = trained_states(1)
     flat = flatten(state)

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["MAX_DIVISIONS", "lattice_range", "lattice_values", "octave_fractions"]
+__all__ = ["MAX_DIVISIONS", "find_lattice", "lattice_range", "lattice_values", "octave_fractions"]
 
 #: The most divisions per octave a stream may declare.
 MAX_DIVISIONS = 64

@@ -460,15 +460,14 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
             leaves = [shifted.get(i, leaf) for i, leaf in enumerate(leaves)]
         change_stats: dict[int, EntropyStats] = {}
         weights = self._plan_weights(leaves, references, layout, eligible, codecs, change_stats)
-        small_stats = self._plan_small_changes(leaves, references, layout, codecs, set(frozen))
         # Small weights are rounded at a full checkpoint unless the large ones all stay exact
         # (nothing was feasible, or ``evaluate`` accepted no quantized point).
         large = [
             i for i in layout.indices(TensorRole.WEIGHT)
             if leaves[i].tensor.is_floating_point() and leaves[i].tensor.numel() >= self.min_numel
         ]
-        if not large or any(not codecs[i].lossless for i in large):
-            small_stats.update(self._plan_small_wholes(leaves, references, layout, codecs, set(frozen)))
+        round_whole = not large or any(not codecs[i].lossless for i in large)
+        small_stats = self._plan_small_weights(leaves, references, layout, codecs, set(frozen), round_whole)
         steps = self._steps_since_last_checkpoint(leaves, references)
         first_keep = self._keep_at(self.first_moment_keep, steps)
         momentum_keep = self._keep_at(self.momentum_keep, steps)

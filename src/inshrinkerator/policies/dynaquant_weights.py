@@ -106,76 +106,67 @@ class WeightPlanning:
     small_weight_error: Optional[float]
     _memory: _Memory
 
-    def _plan_small_changes(
+    def _small_trained_weights(self, leaves: Sequence[TensorLeaf], layout: StateLayout, frozen: set[int]) -> list[int]:
+        """The weights under ``min_numel`` from ``small_min_numel`` values (biases, norm
+        layers) that have optimizer state, are not ``frozen`` (the watched model's frozen
+        parameters) and hold no NaN or inf (such a tensor stays exact: the writer would
+        store it so anyway)."""
+        return [
+            i for i in layout.indices(TensorRole.WEIGHT)
+            if i not in frozen and leaves[i].tensor.is_floating_point()
+            and self.small_min_numel <= leaves[i].tensor.numel() < self.min_numel
+            and layout.optimizer_state_of(i) and all_finite(leaves[i].tensor)
+        ]
+
+    @staticmethod
+    def _against(leaves: Sequence[TensorLeaf], references: Sequence[Optional[torch.Tensor]], index: int) -> bool:
+        """Whether leaf ``index`` has a usable, finite reference to be stored against."""
+        reference = references[index]
+        return usable_reference(leaves[index].tensor, reference) is not None and all_finite(reference)
+
+    def _plan_small_weights(
         self,
         leaves: Sequence[TensorLeaf],
         references: Sequence[Optional[torch.Tensor]],
         layout: StateLayout,
         codecs: list[Codec],
         frozen: set[int],
+        round_whole: bool,
     ) -> dict[int, EntropyStats]:
         """Weights under ``min_numel`` (biases, norm layers; from ``small_min_numel`` values)
-        that training moves, stored at a delta as their change since the reference, where
-        that is smaller than the lossless encoding already planned: levels of their own
-        values would cost more than their record, but their change is rounded as a large
-        weight's is (``residual_error``), at an error that is a share of the change.
+        that have optimizer state, where that is smaller than the lossless encoding already
+        planned: against a usable reference (at a delta), their change since it, rounded as
+        a large weight's change is (``residual_error``: levels of their own values would
+        cost more than their record), at an error that is a share of the change; without
+        one (at a full checkpoint) and where ``round_whole``, the weights themselves on
+        evenly spaced levels that lose ``small_weight_error`` of their squared size.
         ``frozen``: the watched model's frozen parameters. Returns the entropy figures by
         leaf index."""
-        # A tensor holding NaN or inf stays exact (the writer would store it so anyway).
-        moving = [
-            i for i in layout.indices(TensorRole.WEIGHT)
-            if i not in frozen and leaves[i].tensor.is_floating_point()
-            and self.small_min_numel <= leaves[i].tensor.numel() < self.min_numel
-            and layout.optimizer_state_of(i) and usable_reference(leaves[i].tensor, references[i]) is not None
-            and all_finite(leaves[i].tensor) and all_finite(references[i])
-        ]
-        if not moving:
-            return {}
-        stats = {index: EntropyStats() for index in moving}
-        coded = self._plain_change_codecs(leaves, references, moving, stats)
+        small = self._small_trained_weights(leaves, layout, frozen)
+        moving = [i for i in small if self._against(leaves, references, i)]
         chosen: dict[int, EntropyStats] = {}
+        stats = {index: EntropyStats() for index in small}
+        coded = self._plain_change_codecs(leaves, references, moving, stats) if moving else []
         for index, (_, codec) in zip(moving, coded):
             change = codec.prepare(leaves[index].tensor, references[index])
             exact = codecs[index].encode(leaves[index].tensor, references[index])
             if encoded_size(change) < encoded_size(exact):
                 codecs[index] = codec
                 chosen[index] = stats[index]
-        return chosen
-
-    def _plan_small_wholes(
-        self,
-        leaves: Sequence[TensorLeaf],
-        references: Sequence[Optional[torch.Tensor]],
-        layout: StateLayout,
-        codecs: list[Codec],
-        frozen: set[int],
-    ) -> dict[int, EntropyStats]:
-        """Weights under ``min_numel`` (biases, norm layers; from ``small_min_numel`` values)
-        with optimizer state and no usable reference (a full checkpoint's), stored on evenly
-        spaced levels that lose ``small_weight_error`` of their squared size, where that is
-        smaller than the lossless encoding already planned. Returns the entropy figures by
-        leaf index."""
-        if self.small_weight_error is None:
-            return {}
-        whole = [
-            i for i in layout.indices(TensorRole.WEIGHT)
-            if i not in frozen and leaves[i].tensor.is_floating_point()
-            and self.small_min_numel <= leaves[i].tensor.numel() < self.min_numel
-            and layout.optimizer_state_of(i) and usable_reference(leaves[i].tensor, references[i]) is None
-            and all_finite(leaves[i].tensor)
-        ]
-        chosen: dict[int, EntropyStats] = {}
-        for index in whole:
+        if self.small_weight_error is None or not round_whole:
+            return chosen
+        for index in small:
             tensor = leaves[index].tensor.detach()
+            if usable_reference(tensor, references[index]) is not None:
+                continue
             centroids, prune_below = even_levels(*spread(tensor.reshape(-1).to(working_dtype(tensor.dtype))), self.small_weight_error)
-            stats = EntropyStats()
             codec = DynaQuantCodec(bins=SMALL_WEIGHT_BINS, prune=0.0, protect=0.0, sigma=self.sigma).with_hints(
-                centroids=centroids, prune_below=prune_below, stats=stats,
+                centroids=centroids, prune_below=prune_below, stats=stats[index],
             )
             stored = codec.prepare(tensor)
             if encoded_size(stored) < encoded_size(codecs[index].encode(tensor, references[index])):
                 codecs[index] = codec
-                chosen[index] = stats
+                chosen[index] = stats[index]
             else:
                 codec.drop_prepared()
         return chosen
