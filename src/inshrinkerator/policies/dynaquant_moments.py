@@ -63,11 +63,12 @@ SMALL_MOMENT_ERROR = 0.002
 MAX_MOMENT_BINS = 1024
 #: A second moment (or accumulator) under ``min_numel`` is rounded to the levels
 #: ``2 ** (k / 4)``: within 11 % of each value (5.3 % of its square root; an eighth of an
-#: octave plus the width of a sketch key), its table stored
-#: as two numbers. On the char GPT's 34 small second moments (seed 0, steps 320 and 360)
-#: that stored 28 % fewer bytes than 16 k-means levels in log2 (whose table was 68 bytes a
-#: tensor) at 0.6 of their error in log2 of ``sqrt(v)`` (docs/dynaquant-measurements.md,
-#: *Small second moments on a log lattice*).
+#: octave plus the width of a sketch key), its table stored as two numbers. On the char
+#: GPT's 34 small second moments (seed 0, step 360, whole and
+#: against step 320) that stored 23-29 % fewer bytes than 16 k-means levels in log2 (whose
+#: table was 68 bytes a tensor) at about half their error in log2 of ``sqrt(v)``
+#: (``benchmarks/small_tensors.py``; docs/dynaquant-measurements.md, *Small tensors at
+#: full checkpoints and on a log lattice*).
 SMALL_MOMENT_DIVISIONS = LATTICE_DIVISIONS[0]
 #: A lattice of more levels than this (a moment spread over more than 256 octaves)
 #: keeps k-means levels.
