@@ -35,7 +35,7 @@ Per checkpoint (the weights planned in :mod:`.dynaquant_weights`, the moments in
    their whole optimizer state restarts from 0 after a restore (pruning at every
    checkpoint cost 4% accuracy on the MiniLM fine-tune, which checkpoints every 10 steps;
    docs/dynaquant-measurements.md). ``momentum_keep`` prunes a momentum buffer to its
-   largest 10 % by magnitude at the same checkpoints (for SGD, which keeps no step counters, the watched
+   largest 5 % by magnitude at the same checkpoints (for SGD, which keeps no step counters, the watched
    model's backward passes count the steps; unwatched, nothing is pruned).
 3. **Second moments** (Adam's ``exp_avg_sq``; RMSprop's and Adadelta's ``square_avg``,
    Adagrad's ``sum``) and the optimizers' other non-negative statistics (AMSGrad's
@@ -187,7 +187,10 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
             (docs/dynaquant-measurements.md, *Keeping 5 % of the first moment*).
         momentum_keep: fraction of an SGD or RMSprop momentum buffer kept (largest
             magnitude), at the checkpoints where ``first_moment_keep`` applies (0.05
-            cost the digits SGD run a test image on 6 of 8 seeds). SGD keeps no
+            since the commit after 9294227: the digits SGD run 11-12 % smaller than at
+            0.1 at the same mean degradation over 8 seeds; at 1ade14c it had cost a test
+            image on 6 of 8 seeds; docs/dynaquant-measurements.md, *Keeping 5 % of the
+            momentum buffer*). SGD keeps no
             ``step`` counters: the steps are the backward passes of the watched model (with
             gradient accumulation, several per step: scale ``first_moment_keep_after`` by
             them), and without one every entry is kept (on the digits SGD benchmark, 0.1
@@ -335,7 +338,7 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
     momentum_bins: int = 4
     first_moment_keep: float = 0.05
     first_moment_keep_after: int = 30
-    momentum_keep: float = 0.1
+    momentum_keep: float = 0.05
     second_moment_bins: int = 8
     second_moment: str = "quantized"
     joint_moment_mask: bool = True
