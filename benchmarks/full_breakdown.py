@@ -42,7 +42,8 @@ def main() -> None:
             workload.train_step(step)
         state = workload.state()
         leaves = flatten(state).tensors
-        frozen = [i for i, leaf in enumerate(leaves) if leaf.path[0] == "model" and not _trains(workload, leaf.path)]
+        trained = {("model", name) for name, parameter in workload.model.named_parameters() if parameter.requires_grad}
+        frozen = [i for i, leaf in enumerate(leaves) if leaf.path[0] == "model" and tuple(leaf.path) not in trained]
         roles = layout_of(leaves, param_group_ids(state, leaves), frozen).roles
         role_of = {
             format_key_path(leaf.path): role.name.lower() + (" (frozen)" if index in frozen else "")
@@ -66,13 +67,6 @@ def main() -> None:
     print(f"{'role':<22} {'size':<6} {'codec':<28} {'tensors':>7} {'bytes':>12} {'values':>12} {'bits/value':>10}")
     for (role, large, codec), (count, stored, values) in sorted(groups.items(), key=lambda item: -item[1][1]):
         print(f"{role:<22} {large:<6} {codec:<28} {count:>7} {stored:>12,} {values:>12,} {8 * stored / max(values, 1):>10.2f}")
-
-
-def _trains(workload, path: tuple) -> bool:
-    """Whether the model parameter at ``path`` (``("model", name)``) is trained."""
-    parameters = dict(workload.model.named_parameters())
-    parameter = parameters.get(path[1]) if len(path) == 2 else None
-    return parameter is not None and parameter.requires_grad
 
 
 if __name__ == "__main__":

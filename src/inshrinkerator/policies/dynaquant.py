@@ -187,7 +187,7 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
             (docs/dynaquant-measurements.md, *Keeping 5 % of the first moment*).
         momentum_keep: fraction of an SGD or RMSprop momentum buffer kept (largest
             magnitude), at the checkpoints where ``first_moment_keep`` applies (0.05
-            since the commit after 9294227: the digits SGD run 11-12 % smaller than at
+            since bcf2a5b: the digits SGD run 11-12 % smaller than at
             0.1 at the same mean degradation over 8 seeds; at 1ade14c it had cost a test
             image on 6 of 8 seeds; docs/dynaquant-measurements.md, *Keeping 5 % of the
             momentum buffer*). SGD keeps no
@@ -311,9 +311,9 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
         small_weight_error: such a weight stored without a usable reference (at a full
             checkpoint) is rounded to evenly spaced levels that lose this share of its
             squared size, where that is smaller than storing it exactly: the char GPT's
-            34 biases and norm scales in 6.4 kB instead of 24.0 kB, about 1 % of each
-            of its values (docs/dynaquant-measurements.md, *Small weights at full
-            checkpoints*). Not where every larger weight stays exact (nothing was
+            34 biases and norm scales in 6.7 kB instead of 24.2 kB, about 1 % of each
+            of its values (``benchmarks/small_tensors.py``; docs/dynaquant-measurements.md,
+            *Small tensors at full checkpoints and on a log lattice*). Not where every larger weight stays exact (nothing was
             feasible, or ``evaluate`` accepted no quantized point). None: exact.
         moment_min_numel: smaller first and second moments are stored losslessly. Those
             of weights under ``min_numel`` (biases, norm layers) get twice the levels and

@@ -51,10 +51,6 @@ CHANGE_TRIAL_BITS = 1.5
 #: budget stored the yardstick's runs 0.3-3.9 % smaller at the same degradation.
 POOLED_BUDGET_MARGIN = 1.0
 
-#: The ``bins`` a small weight on evenly spaced levels is configured with (its levels come
-#: from ``small_weight_error``; the config is only what the file records).
-SMALL_WEIGHT_BINS = 16
-
 #: A weight's change rounded a second time because the first missed its own budget
 #: (mostly by the Fisher-weighted error, which the pool does not cap) aims at this much
 #: of the budget.
@@ -118,12 +114,6 @@ class WeightPlanning:
             and layout.optimizer_state_of(i) and all_finite(leaves[i].tensor)
         ]
 
-    @staticmethod
-    def _against(leaves: Sequence[TensorLeaf], references: Sequence[Optional[torch.Tensor]], index: int) -> bool:
-        """Whether leaf ``index`` has a usable, finite reference to be stored against."""
-        reference = references[index]
-        return usable_reference(leaves[index].tensor, reference) is not None and all_finite(reference)
-
     def _plan_small_weights(
         self,
         leaves: Sequence[TensorLeaf],
@@ -143,7 +133,8 @@ class WeightPlanning:
         ``frozen``: the watched model's frozen parameters. Returns the entropy figures by
         leaf index."""
         small = self._small_trained_weights(leaves, layout, frozen)
-        moving = [i for i in small if self._against(leaves, references, i)]
+        against = [i for i in small if usable_reference(leaves[i].tensor, references[i]) is not None]
+        moving = [i for i in against if all_finite(references[i])]
         chosen: dict[int, EntropyStats] = {}
         stats = {index: EntropyStats() for index in small}
         coded = self._plain_change_codecs(leaves, references, moving, stats) if moving else []
@@ -155,12 +146,11 @@ class WeightPlanning:
                 chosen[index] = stats[index]
         if self.small_weight_error is None or not round_whole:
             return chosen
-        for index in small:
+        for index in (i for i in small if i not in against):
             tensor = leaves[index].tensor.detach()
-            if usable_reference(tensor, references[index]) is not None:
-                continue
             centroids, prune_below = even_levels(*spread(tensor.reshape(-1).to(working_dtype(tensor.dtype))), self.small_weight_error)
-            codec = DynaQuantCodec(bins=SMALL_WEIGHT_BINS, prune=0.0, protect=0.0, sigma=self.sigma).with_hints(
+            # ``bins`` is unused with ready levels: the codec's default, which its config omits.
+            codec = DynaQuantCodec(prune=0.0, protect=0.0, sigma=self.sigma).with_hints(
                 centroids=centroids, prune_below=prune_below, stats=stats[index],
             )
             stored = codec.prepare(tensor)
