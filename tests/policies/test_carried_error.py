@@ -18,7 +18,7 @@ from .dynaquant_states import codecs_and_bytes, one_thread, small_model, train_s
 KEY = "3.weight"  # the small model's one weight large enough to be quantized
 
 
-def _chain(folder, carry: float, restore: bool = False, deltas: int = 3):
+def _chain(folder, carry: float, restore: bool = False, deltas: int = 3, refine: float | None = 1.0):
     """A full checkpoint after 40 steps and ``deltas`` deltas 4 steps apart (a weight that
     moves less between checkpoints than its levels' spacing: stored as its change); with
     ``restore``, training goes on from the full checkpoint as loaded (in the same process).
@@ -26,7 +26,7 @@ def _chain(folder, carry: float, restore: bool = False, deltas: int = 3):
     model = small_model()
     optimizer = torch.optim.Adam(model.parameters(), 1e-3)
     exact, loaded, stored = {}, {}, {}
-    with ink.CheckpointManager(folder, policy=DynaQuant(carry_error=carry)) as manager:
+    with ink.CheckpointManager(folder, policy=DynaQuant(carry_error=carry, refine_error=refine)) as manager:
         for step in range(deltas + 1):
             train_steps(model, optimizer, 4 if step else 40, start=40 + 4 * step if step else 0)
             state = copy.deepcopy({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
@@ -66,11 +66,12 @@ def test_a_chain_keeps_the_full_checkpoints_error_in_fewer_bytes(tmp_path) -> No
 
 
 def test_an_error_large_against_the_change_is_coded_away_and_the_smaller_one_kept(tmp_path) -> None:
-    exact, gated, with_gate = _chain(tmp_path / "gated", carry=4.0, deltas=5)
-    _, closed, without = _chain(tmp_path / "closed", carry=0.0, deltas=5)
+    exact, gated, with_gate = _chain(tmp_path / "gated", carry=4.0, deltas=5, refine=None)
+    _, closed, without = _chain(tmp_path / "closed", carry=0.0, deltas=5, refine=None)
     full_error = _squared(gated[0], exact[0])
-    # The full checkpoint's error is several times the first interval's change: the first
-    # delta codes it away, as without carrying (the same bytes, the same weights).
+    # The full checkpoint's error is several times the first interval's change: without
+    # ``refine_error`` the first delta codes it away as without carrying (the same bytes,
+    # the same weights).
     assert full_error > 4.0 * _squared(exact[1], exact[0])
     assert with_gate[1] == without[1] and torch.equal(gated[1], closed[1])
     refined = _squared(gated[1], exact[1])
@@ -83,6 +84,24 @@ def test_an_error_large_against_the_change_is_coded_away_and_the_smaller_one_kep
         assert error <= 1.2 * refined + 0.1 * change, step
         # ... which stays small against the change, unlike the full checkpoint's error.
         assert error < 0.5 * change, step
+
+
+@pytest.mark.parametrize("refine", [0.5, 1.0])
+def test_an_error_coded_away_leaves_refine_error_of_the_change(tmp_path, refine) -> None:
+    exact, gated, with_gate = _chain(tmp_path / "gated", carry=2.0, deltas=5, refine=refine)
+    _, finest, without = _chain(tmp_path / "finest", carry=2.0, deltas=5, refine=None)
+    change = _squared(exact[1], exact[0])
+    assert _squared(gated[0], exact[0]) > 2.0 * change  # too large to keep: coded away
+    # The first delta leaves about ``refine`` times the training change as error, not a
+    # share of the whole change it codes, in fewer bytes...
+    error = _squared(gated[1], exact[1])
+    assert 0.5 * refine * change <= error <= 1.5 * refine * change
+    assert _squared(finest[1], exact[1]) < 0.5 * error
+    assert with_gate[1] < without[1]
+    # ... and the later deltas keep it, plus a share of their own change.
+    for step in range(2, 6):
+        later = _squared(exact[step], exact[step - 1])
+        assert _squared(gated[step], exact[step]) <= 1.2 * max(error, 2.0 * later) + 0.1 * later, step
 
 
 def test_after_a_restore_the_change_is_coded_as_it_is(tmp_path) -> None:
@@ -101,26 +120,37 @@ def test_shifted_only_where_nearer_the_reference() -> None:
     carried._errors["w"] = (weight - stored).to(torch.bfloat16)
     moved = weight + 0.001 * torch.randn(64, 64, generator=generator)
     leaves = [TensorLeaf(("w",), moved)]
-    shifted = carried.shifted_leaves(leaves, [stored], [0])
-    assert list(shifted) == [0]
+    shifted, refining = carried.shifted_leaves(leaves, [stored], [0])
+    assert list(shifted) == [0] and refining == {}
     assert _squared(shifted[0].tensor, stored) < 0.1 * _squared(moved, stored)
     # The process restarted from the stored weights: no shift.
     restarted = [TensorLeaf(("w",), stored + 0.001 * torch.randn(64, 64, generator=generator))]
-    assert carried.shifted_leaves(restarted, [stored], [0]) == {}
+    assert carried.shifted_leaves(restarted, [stored], [0]) == ({}, {})
     # No reference, another shape, or an unknown key: none either.
-    assert carried.shifted_leaves(leaves, [None], [0]) == {}
-    assert carried.shifted_leaves([TensorLeaf(("w",), torch.zeros(64, 63))], [torch.zeros(64, 63)], [0]) == {}
-    assert carried.shifted_leaves([TensorLeaf(("v",), moved)], [stored], [0]) == {}
+    assert carried.shifted_leaves(leaves, [None], [0]) == ({}, {})
+    assert carried.shifted_leaves([TensorLeaf(("w",), torch.zeros(64, 63))], [torch.zeros(64, 63)], [0]) == ({}, {})
+    assert carried.shifted_leaves([TensorLeaf(("v",), moved)], [stored], [0]) == ({}, {})
     # An error large against the change since the reference is not kept: here its squared
-    # size is about 100 times the change's.
-    assert list(carried.shifted_leaves(leaves, [stored], [0], ratio=200.0)) == [0]
-    assert carried.shifted_leaves(leaves, [stored], [0], ratio=50.0) == {}
+    # size is about 100 times the change's. The weight is then one to refine, with the
+    # squared size of its change minus the error.
+    assert list(carried.shifted_leaves(leaves, [stored], [0], ratio=200.0).leaves) == [0]
+    gated, refining = carried.shifted_leaves(leaves, [stored], [0], ratio=50.0)
+    assert gated == {} and list(refining) == [0]
+    expected = _squared(moved - carried._errors["w"].float(), stored)
+    assert refining[0] == pytest.approx(expected, rel=1e-4)
 
 
 @pytest.mark.parametrize("value", [-1.0, math.nan, True, "4"])
 def test_the_option_is_a_non_negative_number(value) -> None:
     with pytest.raises(ValueError, match="carry_error"):
         DynaQuant(carry_error=value)
+
+
+@pytest.mark.parametrize("value", [-1.0, math.nan, math.inf, True, "4"])
+def test_refine_error_is_a_non_negative_number_or_none(value) -> None:
+    with pytest.raises(ValueError, match="refine_error"):
+        DynaQuant(refine_error=value)
+    assert DynaQuant(refine_error=None).refine_error is None
 
 
 @pytest.mark.parametrize("async_save", [False, True])

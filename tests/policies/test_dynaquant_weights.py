@@ -1084,6 +1084,31 @@ def test_pooled_shares_lose_the_whole_budget_and_respect_each_changes_cap() -> N
     assert DynaQuant(pooled_error=False)._change_errors(leaves, references, indices, sizes, {}, {}) == dict.fromkeys(indices, 0.03)
 
 
+def test_a_change_that_codes_a_carried_error_away_loses_refine_error_of_its_training_change() -> None:
+    # Three changes of 1,000 values against zero references, mean squares 1, 1 and 16;
+    # c's change is mostly a carried error: its training change has squared size 1,000.
+    leaves = flatten({key: torch.full((1000,), value) for key, value in {"a": 1.0, "b": 1.0, "c": 4.0}.items()}).tensors
+    references = [torch.zeros(1000)] * 3
+    indices, sizes, energy_c = [0, 1, 2], [4000] * 3, 16_000.0
+    pooled = DynaQuant()._change_errors(leaves, references, indices, sizes, {}, {})
+    for refine in (0.5, 1.0):
+        shares = DynaQuant(refine_error=refine)._change_errors(leaves, references, indices, sizes, {}, {}, None, {2: 1000.0})
+        # c loses refine_error times its training change, more than the pool gives it...
+        assert shares[2] * energy_c == pytest.approx(refine * 1000.0) and shares[2] > pooled[2]
+        # ... and the pool of the others is as without it.
+        assert shares[0] == pooled[0] and shares[1] == pooled[1]
+    # Within the change's own limit (movement_share of its squared size, or its cap)...
+    assert DynaQuant(refine_error=4.0)._change_errors(leaves, references, indices, sizes, {}, {}, None, {2: 1000.0})[2] == pytest.approx(0.1)
+    capped = DynaQuant(refine_error=1.0)._change_errors(leaves, references, indices, sizes, {2: 500.0}, {}, None, {2: 1000.0})
+    assert capped[2] * energy_c == pytest.approx(500.0)
+    # ... never below the pool's share, not at all with refine_error=None, and a change
+    # planned alone (no pool) gets it as well.
+    assert DynaQuant(refine_error=1e-6)._change_errors(leaves, references, indices, sizes, {}, {}, None, {2: 1000.0})[2] == pooled[2]
+    assert DynaQuant(refine_error=None)._change_errors(leaves, references, indices, sizes, {}, {}, None, {2: 1000.0}) == pooled
+    alone = DynaQuant()._change_errors(leaves[2:], references[2:], [0], sizes[:1], {}, {}, None, {0: 1000.0})
+    assert alone[0] * energy_c == pytest.approx(DynaQuant().refine_error * 1000.0)
+
+
 def test_pooled_shares_keep_the_plain_share_where_there_is_nothing_to_pool() -> None:
     from inshrinkerator.policies.even_levels import pooled_shares
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -41,7 +41,7 @@ from ..tree import TensorLeaf, format_key_path
 from .base import leaf_nbytes
 from .even_levels import change_energy
 
-__all__ = ["CarriedErrors"]
+__all__ = ["CarriedErrors", "Shifted"]
 
 #: The dtype the remembered errors are held in: half a weight's size, and float32's range
 #: (an error is a small share of its weight; a relative precision of 2^-8 of it is plenty).
@@ -57,6 +57,16 @@ def _without_sketch(codec: Codec) -> Codec:
     if rehinted is not None:
         return rehinted(keys=None, counts=None, stats=None)  # type: ignore[no-any-return]
     return type(codec).from_config(codec.get_config())
+
+
+class Shifted(NamedTuple):
+    """What :meth:`CarriedErrors.shifted_leaves` finds for one save."""
+
+    #: leaf index -> the weight minus the error it carries, planned instead of the weight
+    leaves: dict[int, TensorLeaf]
+    #: leaf index -> the squared size of the training change of a weight whose carried
+    #: error is too large against it to keep: its delta codes the error away
+    refining: dict[int, float]
 
 
 class CarriedErrors:
@@ -77,10 +87,12 @@ class CarriedErrors:
         references: Sequence[Optional[torch.Tensor]],
         indices: Sequence[int],
         ratio: float = math.inf,
-    ) -> dict[int, TensorLeaf]:
+    ) -> Shifted:
         """Leaf index -> the weight minus its carried error, for the weights in ``indices``
         with a reference whose change that makes smaller (see the module docstring), and
-        whose carried error's squared size is at most ``ratio`` times that change's."""
+        whose carried error's squared size is at most ``ratio`` times that change's; and
+        leaf index -> that change's squared size for the weights it makes smaller whose
+        error is too large to keep (their delta codes the error away)."""
         candidates = []
         for index in indices:
             error = self._errors.get(format_key_path(leaves[index].path))
@@ -91,17 +103,22 @@ class CarriedErrors:
             ):
                 candidates.append((index, error))
 
-        def shifted(item: tuple[int, torch.Tensor]) -> Optional[TensorLeaf]:
+        def shifted(item: tuple[int, torch.Tensor]) -> tuple[Optional[TensorLeaf], Optional[float]]:
             index, error = item
             tensor, reference = leaves[index].tensor.detach(), references[index]
             moved = (tensor.float() - error.to(tensor.device).float()).to(tensor.dtype)
             change = change_energy(moved, reference)
-            nearer = change < change_energy(tensor, reference)
-            small = math.isinf(ratio) or change_energy(error, None) <= ratio * change
-            return TensorLeaf(leaves[index].path, moved) if nearer and small else None
+            if not change < change_energy(tensor, reference):
+                return None, None
+            if math.isinf(ratio) or change_energy(error, None) <= ratio * change:
+                return TensorLeaf(leaves[index].path, moved), None
+            return None, change
 
         results = parallel_map_sized(shifted, candidates, [leaf_nbytes(leaves[i]) for i, _ in candidates])
-        return {index: leaf for (index, _), leaf in zip(candidates, results) if leaf is not None}
+        return Shifted(
+            {index: leaf for (index, _), (leaf, _) in zip(candidates, results) if leaf is not None},
+            {index: change for (index, _), (_, change) in zip(candidates, results) if change is not None},
+        )
 
     def settle(
         self,

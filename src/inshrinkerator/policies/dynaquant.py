@@ -256,6 +256,20 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
             whole chain, which stores runs without failures smaller still (the digits CNN
             38.8x instead of 35.8x) and cost MiniLM 0.3 points of accuracy in paired
             restores (docs/dynaquant-measurements.md, *Carrying the stored error*).
+        refine_error: where a delta codes a carried error away (it grew larger than
+            ``carry_error`` times the weight's training change since the reference), the
+            change from the weight itself loses at least this many times that training
+            change's squared size (within ``movement_share`` of the whole change and the
+            weight's own budget), instead of only the pooled share of it: the weight is
+            left with an error of the size a delta carries, not refined far below what any
+            other checkpoint of the chain keeps. It carries that error on. 0.5 stored runs
+            without failures 1-6 % smaller on the digits runs and MiniLM (seeds 0-1; the
+            char GPT refines nothing), and MiniLM's paired restores (16, seeds 0-3) ended
+            where they did without it but one, one test example worse (1.0: as small, and
+            one more restore one better); failure runs restore after nearly every
+            checkpoint and change by under 1 % (docs/dynaquant-measurements.md, *Refining
+            a carried error only as far as it must*). ``None``: only the pooled share, as
+            before.
         residual_error: a weight stored as its change since the reference (one that
             moved less than its own levels' spacing, or crossed many of them) is rounded
             to evenly spaced levels ``sqrt(12 * residual_error)`` times the change's RMS
@@ -347,6 +361,7 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
     low_rank_changes: bool = True
     low_rank_first_moments: bool = True
     carry_error: float = 2.0
+    refine_error: Optional[float] = 0.5
     residual_bins: tuple[int, ...] = (10,)
     residual_error: Optional[float] = 0.03
     cell_means: bool = False
@@ -376,6 +391,8 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
             _check_number("first_moment_error", self.first_moment_error, 1e-9, 1.0)
         if self.small_weight_error is not None:
             _check_number("small_weight_error", self.small_weight_error, 1e-12, 1.0)
+        if self.refine_error is not None:
+            _check_number("refine_error", self.refine_error, 0.0, 1e6)
         _check_number("sigma", self.sigma, 0.0, 1.0)
         _check_number("stickiness", self.stickiness, 0.0, 4.0)
         for knob in ("precision_only_grows", "joint_moment_mask", "first_moment_octaves", "sign_grouped_changes", "low_rank_changes",
@@ -458,11 +475,13 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
         # (policies.carried_error).
         originals = leaves
         carried_indices = [i for i in layout.indices(TensorRole.WEIGHT) if eligible[i]] if self.carry_error > 0 else []
-        shifted = self._memory.carried.shifted_leaves(leaves, references, carried_indices, self.carry_error)
+        shifted, refining = self._memory.carried.shifted_leaves(leaves, references, carried_indices, self.carry_error)
         if shifted:
             leaves = [shifted.get(i, leaf) for i, leaf in enumerate(leaves)]
+        if self.refine_error is None:
+            refining = {}
         change_stats: dict[int, EntropyStats] = {}
-        weights = self._plan_weights(leaves, references, layout, eligible, codecs, change_stats)
+        weights = self._plan_weights(leaves, references, layout, eligible, codecs, change_stats, refining)
         # Small weights are rounded at a full checkpoint unless the large ones all stay exact
         # (nothing was feasible, or ``evaluate`` accepted no quantized point).
         large = [

@@ -100,6 +100,7 @@ class WeightPlanning:
     min_numel: int
     small_min_numel: int
     small_weight_error: Optional[float]
+    refine_error: Optional[float]
     _memory: _Memory
 
     def _small_trained_weights(self, leaves: Sequence[TensorLeaf], layout: StateLayout, frozen: set[int]) -> list[int]:
@@ -190,7 +191,7 @@ class WeightPlanning:
             return
 
         allowed = {index: weights.cube.own_budget(index) for index in candidates}
-        shares = self._change_shares(leaves, references, candidates, weights.trials, allowed, weights.moved)
+        shares = self._change_shares(leaves, references, candidates, weights.trials, allowed, weights.moved, weights.refining)
         stats = {index: EntropyStats() for index in candidates}
         as_change = dict(zip(candidates, (codec for _, codec in self._change_codecs(
             leaves, references, layout, candidates, weights.trials, allowed, stats, weights.moved, shares,
@@ -450,11 +451,13 @@ class WeightPlanning:
         stats: dict[int, EntropyStats],
         moved: dict[int, float],
         shares: Optional[dict[int, float]] = None,
+        refining: Optional[dict[int, float]] = None,
     ) -> list[tuple[int, ResidualCodec]]:
         """The codec of each weight in ``indices`` stored as its change since the reference
         (its entropy figures into ``stats``), with the number of levels it takes. ``moved``:
         the summed squared change of each, where known; ``shares``: the share of its squared
-        size each change loses, where already chosen (:meth:`_change_shares`).
+        size each change loses, where already chosen (:meth:`_change_shares`); ``refining``:
+        see :meth:`_change_errors`.
 
         With ``residual_error`` (the default) the change is rounded to evenly spaced levels,
         ``sqrt(12 * residual_error)`` times its RMS apart, so that the rounding costs about
@@ -468,7 +471,7 @@ class WeightPlanning:
                 indices, [leaf_nbytes(leaves[i]) for i in indices],
             )
         if shares is None:
-            shares = self._change_shares(leaves, references, indices, trials, allowed, moved)
+            shares = self._change_shares(leaves, references, indices, trials, allowed, moved, refining)
         return self._plain_change_codecs(leaves, references, indices, stats, shares=shares)
 
     def _change_shares(
@@ -479,6 +482,7 @@ class WeightPlanning:
         trials: dict[int, WeightTrial],
         allowed: dict[int, float],
         moved: dict[int, float],
+        refining: Optional[dict[int, float]] = None,
     ) -> Optional[dict[int, float]]:
         """The share of its squared size each change in ``indices`` loses on its evenly
         spaced levels (:meth:`_change_errors`), none more than its ``allowed`` budget; None
@@ -492,7 +496,7 @@ class WeightPlanning:
         # The mean of each weight's Fisher diagonal (the proxy's weights), where it has one.
         fisher = {i: trials[i].mean_weight for i in indices if trials[i].weights is not None}
         return self._change_errors(
-            leaves, references, indices, [leaf_nbytes(leaves[i]) for i in indices], caps, moved, fisher
+            leaves, references, indices, [leaf_nbytes(leaves[i]) for i in indices], caps, moved, fisher, refining
         )
 
     def _plain_change_codecs(
@@ -546,6 +550,7 @@ class WeightPlanning:
         caps: dict[int, float],
         moved: dict[int, float],
         fisher: Optional[dict[int, float]] = None,
+        refining: Optional[dict[int, float]] = None,
     ) -> dict[int, float]:
         """The share of its squared size each change in ``indices`` loses on its evenly
         spaced levels: ``residual_error`` each, or with ``pooled_error`` the shares that put
@@ -561,23 +566,43 @@ class WeightPlanning:
         each change's values at a squared error inversely proportional to its Fisher
         mean, and the Fisher-weighted error lost is ``residual_error`` of the changes'
         Fisher-weighted squared size, as with each change at ``residual_error``.
+
+        ``refining`` (by leaf index): the squared size of the training change of each
+        weight whose change here also holds a carried error too large to keep (the rest of
+        its change). Such a change joins the pool with that training change's size, and
+        loses at least ``refine_error`` times it (within its limits): the error it is left
+        with is then the kind a delta carries, not a share of the error it codes away.
         """
         error = self.residual_error
         assert error is not None
-        if not self.pooled_error or len(indices) < 2:
+        refining = {i: energy for i, energy in (refining or {}).items() if i in indices and energy > 0}
+        pooled = self.pooled_error and len(indices) >= 2
+        if not pooled and not refining:
             return dict.fromkeys(indices, error)
-        energies = parallel_map_sized(
+        totals = parallel_map_sized(
             lambda i: moved[i] if i in moved else change_energy(leaves[i].tensor, references[i]), indices, sizes
         )
         most = max(error, self.movement_share)
-        limits = [
-            min(most, caps.get(index, math.inf) / energy) if energy > 0 else error
-            for index, energy in zip(indices, energies)
-        ]
-        if self.fisher_pooling and fisher and all(fisher.get(i, 0.0) > 0 for i in indices):
-            energies = [energy * fisher[i] for i, energy in zip(indices, energies)]
-        shares = pooled_shares(energies, [leaves[i].tensor.numel() for i in indices], error, limits)
-        return dict(zip(indices, shares))
+        # Each change's largest share of itself.
+        limits = {
+            index: min(most, caps.get(index, math.inf) / energy) if energy > 0 else error
+            for index, energy in zip(indices, totals)
+        }
+        if not pooled:
+            shares = dict.fromkeys(indices, error)
+        else:
+            energies = totals
+            if self.fisher_pooling and fisher and all(fisher.get(i, 0.0) > 0 for i in indices):
+                energies = [energy * fisher[i] for i, energy in zip(indices, energies)]
+            shares = dict(zip(indices, pooled_shares(
+                energies, [leaves[i].tensor.numel() for i in indices], error, [limits[i] for i in indices]
+            )))
+        if self.refine_error is not None:
+            for index, total in zip(indices, totals):
+                if index in refining:
+                    floor = min(limits[index], self.refine_error * refining[index] / total)
+                    shares[index] = max(shares[index], floor)
+        return shares
 
     def _residual_codec(
         self,
@@ -691,9 +716,12 @@ class WeightPlanning:
         eligible: list[bool],
         codecs: list[Codec],
         change_stats: dict[int, EntropyStats],
+        refining: dict[int, float],
     ) -> Optional["_WeightPlan"]:
         """The codec of each weight; ``change_stats`` gets the entropy figures of the weights
-        stored as their change because no levels of their own keep them within budget."""
+        stored as their change because no levels of their own keep them within budget.
+        ``refining``: the weights whose delta codes a carried error away, with the squared
+        size of their training change (:meth:`_change_errors`)."""
         indices = [i for i in layout.indices(TensorRole.WEIGHT) if eligible[i]]
         if not indices:
             return None
@@ -766,7 +794,7 @@ class WeightPlanning:
             residual = [i for i in hard if i in moved]
             allowed = {i: cube.own_budget(i) for i in residual}
             figures = {i: change_stats.setdefault(i, EntropyStats()) for i in residual}
-            coded = self._change_codecs(leaves, references, layout, residual, trials, allowed, figures, moved)
+            coded = self._change_codecs(leaves, references, layout, residual, trials, allowed, figures, moved, refining=refining)
             for index, (levels, codec) in zip(residual, coded):
                 codecs[index] = codec
                 residual_levels[levels] = residual_levels.get(levels, 0) + 1
@@ -829,7 +857,7 @@ class WeightPlanning:
                 protect_mask=result.protect_mask,
                 stats=stats[index],
             )
-        return _WeightPlan(indices, trials, cube, record, budget, self.evaluate, scales, moved, stats)
+        return _WeightPlan(indices, trials, cube, record, budget, self.evaluate, scales, moved, stats, refining)
 
     @staticmethod
     def _describe(
@@ -904,6 +932,8 @@ class _WeightPlan:
     moved: dict[int, float]
     #: each weight's entropy figures, of the encoding to be stored
     stats: dict[int, EntropyStats]
+    #: the weights whose delta codes a carried error away: their training change's squared size
+    refining: dict[int, float]
 
     def stored_quality(self, encoded: dict[int, Any]) -> float:
         """The quality measure of the weights as stored (the proxy, or ``evaluate``)."""
