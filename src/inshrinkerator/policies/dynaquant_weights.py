@@ -569,13 +569,16 @@ class WeightPlanning:
 
         ``refining`` (by leaf index): the squared size of the training change of each
         weight whose change here also holds a carried error too large to keep (the rest of
-        its change). Such a change joins the pool with that training change's size, and
-        loses at least ``refine_error`` times it (within its limits): the error it is left
-        with is then the kind a delta carries, not a share of the error it codes away.
+        its change). Such a change is pooled as it is, and then loses at least
+        ``refine_error`` times that training change's squared size (within its limits): the
+        error it is left with is then the kind a delta carries, not a pooled share of the
+        error it codes away. (Pooled with its training change's size instead, it took its
+        whole size out of the pool's budget and every other change came out finer.)
         """
         error = self.residual_error
         assert error is not None
-        refining = {i: energy for i, energy in (refining or {}).items() if i in indices and energy > 0}
+        planned = set(indices)
+        refining = {i: energy for i, energy in (refining or {}).items() if i in planned and energy > 0}
         pooled = self.pooled_error and len(indices) >= 2
         if not pooled and not refining:
             return dict.fromkeys(indices, error)
