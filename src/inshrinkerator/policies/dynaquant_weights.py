@@ -572,12 +572,13 @@ class WeightPlanning:
         its change). Such a change is pooled as it is, and then loses at least
         ``refine_error`` times that training change's squared size (within its limits): the
         error it is left with is then the kind a delta carries, not a pooled share of the
-        error it codes away. (Pooled with its training change's size instead, it took its
-        whole size out of the pool's budget and every other change came out finer.)
+        error it codes away (with ``refine_error=None``, ``refining`` is ignored). (Pooled
+        with its training change's size instead, it took its whole size out of the pool's
+        budget and every other change came out finer.)
         """
         error = self.residual_error
         assert error is not None
-        planned = set(indices)
+        planned = set(indices) if self.refine_error is not None else set()
         refining = {i: energy for i, energy in (refining or {}).items() if i in planned and energy > 0}
         pooled = self.pooled_error and len(indices) >= 2
         if not pooled and not refining:
@@ -600,11 +601,10 @@ class WeightPlanning:
             shares = dict(zip(indices, pooled_shares(
                 energies, [leaves[i].tensor.numel() for i in indices], error, [limits[i] for i in indices]
             )))
-        if self.refine_error is not None:
-            for index, total in zip(indices, totals):
-                if index in refining:
-                    floor = min(limits[index], self.refine_error * refining[index] / total)
-                    shares[index] = max(shares[index], floor)
+        for index, total in zip(indices, totals):
+            if index in refining:
+                floor = min(limits[index], self.refine_error * refining[index] / total)  # type: ignore[operator]
+                shares[index] = max(shares[index], floor)
         return shares
 
     def _residual_codec(
