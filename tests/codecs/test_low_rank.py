@@ -1,4 +1,6 @@
-"""LowRankResidualCodec: a change as a low-rank product of integer factors plus what it leaves."""
+"""LowRankResidualCodec: a change as a low-rank product of integer factors plus what it
+leaves; GroupedLowRankCodec: a first moment so; LowRankCodec: a tensor as the product alone
+or plus what it leaves."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from inshrinkerator.codecs import (
     DynaQuantCodec,
     DynaQuantGroupedCodec,
     GroupedLowRankCodec,
+    LowRankCodec,
     LowRankResidualCodec,
     ResidualCodec,
     TensorSpec,
@@ -26,9 +29,10 @@ from inshrinkerator.codecs.low_rank import (
     LowRankFactors,
     choose_low_rank,
     low_rank_factors,
+    low_rank_within,
     matrix_shape,
 )
-from inshrinkerator.errors import BrokenChainError, FormatError
+from inshrinkerator.errors import BrokenChainError, CorruptCheckpointError, FormatError
 from inshrinkerator.policies.even_levels import even_levels, spread
 
 from .lossy_codec_checks import (
@@ -310,3 +314,123 @@ def test_grouped_golden(case) -> None:
 
 def test_grouped_goldens_exist() -> None:
     assert len(golden_cases("dynaquant_grouped_low_rank")) >= 1
+
+
+def _few_directions(shape: tuple[int, int], rank: int, seed: int, noise: float = 0.1) -> torch.Tensor:
+    """A matrix mostly along ``rank`` directions, as a momentum buffer of recent gradients is."""
+    generator = torch.Generator().manual_seed(seed)
+    rows, cols = shape
+    product = torch.randn(rows, rank, generator=generator) @ torch.randn(rank, cols, generator=generator)
+    return product + noise * torch.randn(shape, generator=generator)
+
+
+def _squared(tensor: torch.Tensor) -> float:
+    return float(tensor.double().pow(2).sum())
+
+
+@pytest.mark.parametrize("inner", [None, DynaQuantCodec(bins=8, prune=0.5)], ids=["product", "with_inner"])
+@pytest.mark.parametrize("shape", [(48, 64), (32, 4, 3, 3)])
+def test_a_low_rank_codec_decodes_to_its_reconstruction_bit_for_bit(inner, shape) -> None:
+    tensor = _few_directions(matrix_shape(shape), 3, seed=1).reshape(shape)  # type: ignore[arg-type]
+    codec = LowRankCodec(3, inner)
+    encoded = codec.encode(tensor)
+    decoded = get_codec(json.loads(json.dumps(codec.get_config()))).decode(encoded.streams, encoded.params, TensorSpec.of(tensor))
+    assert decoded.shape == tensor.shape and same_bits(decoded, encoded.reconstruction)
+    # The product holds all but the noise; what it leaves, coded, takes part of that too.
+    error = _squared(decoded - tensor) / _squared(tensor)
+    assert error < (0.01 if inner is None else 0.006)
+
+
+def test_the_product_alone_loses_what_its_directions_miss() -> None:
+    # Rank 3 of a matrix of three directions and noise loses the noise and the rounding of
+    # its factors to +-15 (under 1 % here); rank 1 two of the directions.
+    tensor = _few_directions((64, 96), 3, seed=2, noise=0.05)
+    three = _squared(encode_decode(LowRankCodec(3), tensor) - tensor) / _squared(tensor)
+    one = _squared(encode_decode(LowRankCodec(1), tensor) - tensor) / _squared(tensor)
+    assert three < 0.01
+    assert one > 0.2
+
+
+def test_low_rank_within_picks_the_least_rank_that_keeps_the_error_allowed() -> None:
+    tensor = _few_directions((64, 128), 4, seed=3, noise=0.05)
+    total = _squared(tensor)
+    factors = low_rank_within(tensor, 0.02 * total)
+    assert factors is not None and factors.rank == 4
+    rebuilt = factors.product(torch.float32)
+    assert _squared(rebuilt - tensor) <= 0.02 * total
+    looser = low_rank_within(tensor, 0.6 * total)
+    assert looser is not None and looser.rank < 4
+    assert _squared(looser.product(torch.float32) - tensor) <= 0.6 * total
+    # No rank up to a quarter of the smaller side gets noise that small, nor structureless noise.
+    assert low_rank_within(tensor, 1e-6 * total) is None
+    noise = torch.randn(64, 128, generator=torch.Generator().manual_seed(4))
+    assert low_rank_within(noise, 0.5 * _squared(noise)) is None
+    # Nothing for a product to hold, or nothing to go on.
+    assert low_rank_within(tensor, 2 * total) is None
+    assert low_rank_within(torch.zeros(64, 128), 1.0) is None
+    assert low_rank_within(torch.full((64, 128), float("nan")), 1.0) is None
+    assert low_rank_within(tensor[:, :3], 0.5 * total) is None  # a side under 4: no rank
+
+
+class _TightLowRank(LowRankCodec):
+    """A low-rank codec held to a low expansion limit, so its product pads."""
+
+    max_expansion = 64
+
+
+def test_a_product_far_smaller_than_its_matrix_is_padded_to_the_expansion_limit() -> None:
+    tensor = _few_directions((256, 256), 1, seed=5, noise=0.0)
+    encoded = _TightLowRank(1).encode(tensor)
+    assert len(encoded.streams) == 2
+    assert sum(len(bytes(s)) for s in encoded.streams) >= tensor.numel() * 4 // 64
+    spec = TensorSpec.of(tensor)
+    assert same_bits(_TightLowRank(1).decode(encoded.streams, encoded.params, spec), encoded.reconstruction)
+    damaged = [encoded.streams[0], b"\x01" + bytes(encoded.streams[1])[1:]]
+    with pytest.raises(CorruptCheckpointError, match="padding"):
+        _TightLowRank(1).decode(damaged, encoded.params, spec)
+    # The default limit needs no padding here.
+    assert len(LowRankCodec(1).encode(tensor).streams) == 1
+
+
+def test_a_low_rank_codec_refuses_bad_config_input_and_streams() -> None:
+    with pytest.raises(ValueError, match="rank"):
+        LowRankCodec(0)
+    with pytest.raises(ValueError, match="reference nor a context"):
+        LowRankCodec(2, ResidualCodec(DynaQuantCodec(bins=8)))
+    with pytest.raises(ValueError, match="factor_coding"):
+        LowRankCodec(2, factor_coding="rows")
+    with pytest.raises(FormatError):
+        get_codec({"id": "low_rank", "rank": "two"})
+    with pytest.raises(ValueError):
+        LowRankCodec(2).encode(torch.randn(100))  # a vector is no matrix
+    with pytest.raises(ValueError):
+        LowRankCodec(8).encode(torch.randn(4, 100))  # a rank above the smaller side
+    tensor = _few_directions((48, 64), 2, seed=6)
+    spec = TensorSpec.of(tensor)
+    encoded = LowRankCodec(2).encode(tensor)
+    with pytest.raises(FormatError, match="streams"):
+        LowRankCodec(2).decode([*encoded.streams, b"", b""], encoded.params, spec)
+    with pytest.raises(FormatError, match="streams"):
+        LowRankCodec(2).decode([], encoded.params, spec)
+    with pytest.raises(FormatError):
+        LowRankCodec(2).decode([bytes(encoded.streams[0])[:5]], encoded.params, spec)
+    with pytest.raises(FormatError):
+        LowRankCodec(2).decode(encoded.streams, encoded.params, TensorSpec(torch.float32, (100,)))
+    with pytest.raises(FormatError):
+        LowRankCodec(2).decode(encoded.streams, encoded.params, TensorSpec(torch.int64, (48, 64)))
+    inner = LowRankCodec(2, DynaQuantCodec(bins=8))
+    with_inner = inner.encode(tensor)
+    with pytest.raises(FormatError, match="inner"):
+        inner.decode(with_inner.streams, {}, spec)
+    check_damaged_streams(inner, tensor)
+    check_damaged_streams(LowRankCodec(2), tensor)
+
+
+@pytest.mark.parametrize("case", golden_cases("low_rank"), ids=lambda p: p.name)
+def test_low_rank_golden(case) -> None:
+    check_golden(case, encode_ulps=ENCODE_ULPS)
+
+
+def test_low_rank_goldens_exist() -> None:
+    configs = [json.loads((case / "case.json").read_text())["config"] for case in golden_cases("low_rank")]
+    assert {config["inner"] is None for config in configs} == {True, False}

@@ -84,7 +84,8 @@ def test_first_moments_keep_the_steadiest_entries(tmp_path) -> None:
     # level become 0.
     assert float(m.abs()[restored != 0].sum() / m.abs().sum()) > 0.8
     sgd = trained_states(1, optimizer="sgd")[1][0]
-    ink.save(sgd, tmp_path / "s.ink", policy=DynaQuant(momentum_keep=0.3, first_moment_keep_after=0))
+    pruned = DynaQuant(momentum_keep=0.3, first_moment_keep_after=0, low_rank_momentum=False)
+    ink.save(sgd, tmp_path / "s.ink", policy=pruned)
     buffer = ink.load(tmp_path / "s.ink")["optimizer"]["state"][2]["momentum_buffer"]
     assert 0.25 < float((buffer != 0).float().mean()) < 0.35
 
@@ -335,7 +336,9 @@ def test_sgd_momentum_is_pruned_only_when_the_watch_counts_the_steps(tmp_path, w
     # (first save) and since the previous save (the delta) are the steps.
     model = small_model()
     optimizer = torch.optim.SGD(model.parameters(), 0.05, momentum=0.9)
-    manager = ink.CheckpointManager(tmp_path / "run", policy=DynaQuant(first_moment_keep_after=6))
+    # (Pruned, not stored as a product: test_a_pruned_momentum_buffer_of_few_directions_is_a_product.)
+    policy = DynaQuant(first_moment_keep_after=6, low_rank_momentum=False)
+    manager = ink.CheckpointManager(tmp_path / "run", policy=policy)
     if watched:
         manager.watch(model)
     for save in range(2):
@@ -619,6 +622,54 @@ def test_a_whole_first_moment_of_few_directions_is_stored_as_a_product(tmp_path)
 def test_low_rank_first_moments_must_be_a_bool() -> None:
     with pytest.raises(ValueError, match="low_rank_first_moments"):
         DynaQuant(low_rank_first_moments="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="low_rank_momentum"):
+        DynaQuant(low_rank_momentum=1)  # type: ignore[arg-type]
+
+
+def _momentum_of(state: dict, path: str) -> tuple[torch.Tensor, tuple[str, int]]:
+    ink.save(state, path, policy=DynaQuant(first_moment_keep_after=0))
+    key = "optimizer/state/2/momentum_buffer"
+    return by_key(ink.load(path))[key], codecs_and_bytes(path)[key]
+
+
+def _relative_error(restored: torch.Tensor, truth: torch.Tensor) -> float:
+    return float((restored - truth).double().pow(2).sum() / truth.double().pow(2).sum())
+
+
+def test_a_pruned_momentum_buffer_of_few_directions_is_a_product(tmp_path) -> None:
+    # Where the buffer is pruned, a matrix whose energy lies in a few directions (recent
+    # gradients, sums of outer products) is stored as a low-rank product alone: fewer bytes
+    # than its mask and kept entries, and no more error than pruning to 5 % leaves.
+    from inshrinkerator.codecs import LowRankCodec
+
+    _, (state,) = trained_states(1, optimizer="sgd")
+    buffer = state["optimizer"]["state"][2]["momentum_buffer"]
+    generator = torch.Generator().manual_seed(0)
+    directions = torch.randn(buffer.shape[0], 2, generator=generator) @ torch.randn(2, buffer.shape[1], generator=generator)
+    truth = directions * float(buffer.std()) + buffer * 0.3
+    state["optimizer"]["state"][2]["momentum_buffer"] = truth
+    restored, (codec, stored) = _momentum_of(state, tmp_path / "product.ink")
+    plain = DynaQuant(first_moment_keep_after=0, low_rank_momentum=False)
+    ink.save(state, tmp_path / "pruned.ink", policy=plain)
+    key = "optimizer/state/2/momentum_buffer"
+    pruned, (pruned_codec, pruned_stored) = by_key(ink.load(tmp_path / "pruned.ink"))[key], codecs_and_bytes(tmp_path / "pruned.ink")[key]
+    assert codec == LowRankCodec.codec_id and pruned_codec == DynaQuantCodec.codec_id
+    assert stored < pruned_stored
+    largest = truth.reshape(-1).abs().topk(int(0.05 * truth.numel())).values
+    dropped = 1 - float(largest.double().pow(2).sum() / truth.double().pow(2).sum())
+    assert _relative_error(restored, truth) <= dropped
+    assert _relative_error(restored, truth) < _relative_error(pruned, truth)
+    assert float((restored != 0).float().mean()) > 0.5  # not pruned (a factor row may round to 0)
+
+
+def test_a_momentum_buffer_without_few_directions_stays_pruned(tmp_path) -> None:
+    _, (state,) = trained_states(1, optimizer="sgd")
+    buffer = state["optimizer"]["state"][2]["momentum_buffer"]
+    noise = torch.randn(buffer.shape, generator=torch.Generator().manual_seed(1)) * float(buffer.std())
+    state["optimizer"]["state"][2]["momentum_buffer"] = noise
+    restored, (codec, _) = _momentum_of(state, tmp_path / "noise.ink")
+    assert codec == DynaQuantCodec.codec_id
+    assert 0.03 < float((restored != 0).float().mean()) < 0.07
 
 
 def test_a_small_second_moment_is_stored_on_a_log_lattice(monkeypatch) -> None:

@@ -20,7 +20,7 @@ from .dynaquant_context import (
     SignGroupedResidualCodec,
 )
 from .factored_moment import FactoredMomentCodec
-from .low_rank import GroupedLowRankCodec, LowRankResidualCodec
+from .low_rank import GroupedLowRankCodec, LowRankCodec, LowRankResidualCodec
 from .unchanged import UnchangedCodec
 
 __all__ = [
@@ -52,6 +52,7 @@ __all__ = [
     "SignGroupedResidualCodec",
     "FactoredMomentCodec",
     "GroupedLowRankCodec",
+    "LowRankCodec",
     "LowRankResidualCodec",
     "UnchangedCodec",
 ]

@@ -1,7 +1,10 @@
 """A weight's change since the reference as a low-rank product plus what it leaves:
-:class:`LowRankResidualCodec` (``residual_low_rank``); and a first moment so, what it
+:class:`LowRankResidualCodec` (``residual_low_rank``); a first moment so, what it
 leaves coded per octave of its second moment: :class:`GroupedLowRankCodec`
-(``dynaquant_grouped_low_rank``).
+(``dynaquant_grouped_low_rank``); and a tensor as the product alone, or the product plus
+what it leaves coded by any codec without a reference: :class:`LowRankCodec`
+(``low_rank``; an SGD momentum buffer, whose top few directions hold more of it than its
+largest entries do).
 
 Between close checkpoints the change of a weight matrix is close to low rank: its
 gradient steps are sums of outer products of layer inputs and output gradients, and
@@ -26,7 +29,9 @@ without the key: files written before), one symbol stream (:func:`~.entropy.enco
 symbol = integer + 15) of the left factor, row-major, then the right. A tensor of shape
 ``(d0, d1, ...)`` is the matrix ``d0 x (d1 * ...)``. The other streams are the inner
 codec's, of ``change - product`` (of ``tensor - product`` for the grouped codec, whose inner
-codec is a ``dynaquant_grouped`` reading the same context).
+codec is a ``dynaquant_grouped`` reading the same context, and for ``low_rank``); a
+``low_rank`` without an inner codec may end with a padding stream of zero bytes instead
+(:mod:`.expansion_padding`: a product of a huge matrix is far smaller than the matrix).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from ..errors import BrokenChainError, FormatError
 from .base import Codec, Encoded, TensorSpec, matching_reference
 from .dynaquant_context import DynaQuantGroupedCodec, _ContextKey
 from .entropy import decode_symbols, encode_symbols
+from .expansion_padding import PADDED_MAX_EXPANSION, check_padding_stream, padding_stream
 from .factor_columns import decode_factor_columns, encode_factor_columns
 from .lossy_input import checked_float_input, require_float_spec, working_dtype
 from .prepared import PreparedEncoding
@@ -53,10 +59,12 @@ from .xor_delta import reference_checksum
 __all__ = [
     "GroupedLowRankCodec",
     "MAX_RANK",
+    "LowRankCodec",
     "LowRankFactors",
     "LowRankResidualCodec",
     "choose_low_rank",
     "low_rank_factors",
+    "low_rank_within",
     "matrix_shape",
 ]
 
@@ -240,6 +248,33 @@ def choose_low_rank(matrix: torch.Tensor, step: float, margin: float = 0.05) -> 
     plain = scale * _order0_bits(sample / step)
     with_factors = scale * _order0_bits(leftover / step) + _order0_bits(factors.symbols().to(torch.float32)) + _STREAM_BITS
     return factors if with_factors < (1 - margin) * plain else None
+
+
+def low_rank_within(matrix: torch.Tensor, allowed: float) -> Optional[LowRankFactors]:
+    """The integer factors of the smallest rank of :data:`CANDIDATE_RANKS` (up to a quarter
+    of the matrix's smaller side) whose product leaves at most ``allowed`` of squared
+    error, the factors' rounding counted; None where no such rank does (or ``matrix`` is
+    not finite)."""
+    rows, cols = matrix.shape
+    ranks = [r for r in CANDIDATE_RANKS if r <= min(rows, cols) // 4]
+    if not ranks or not allowed > 0 or not math.isfinite(allowed):
+        return None
+    work = matrix.to(torch.float32)
+    total = float(torch.dot(work.reshape(-1), work.reshape(-1)))
+    if not math.isfinite(total):
+        return None
+    if total <= allowed or total == 0:
+        return None  # nothing a product could add: the caller stores it otherwise
+    u, singular, vh = _directions(work, ranks[-1])
+    energy = singular.double().pow(2)
+    for rank in ranks:
+        if total - float(energy[:rank].sum()) > allowed:
+            continue
+        factors = _factors(u, singular, vh, rank)
+        leftover = (work - factors.product(torch.float32, work.device)).reshape(-1)
+        if float(torch.dot(leftover, leftover)) <= allowed:
+            return factors
+    return None
 
 
 def _order0_bits(values: torch.Tensor) -> float:
@@ -443,4 +478,73 @@ class GroupedLowRankCodec(_ContextKey, _Factored, PreparedEncoding, Codec):
         context = self._context(spec, context)
         factors, inner_params = self._read_factors(streams, params, rows, cols)
         left = self._inner.decode(streams[1:], inner_params, TensorSpec(compute, spec.shape), None, context=context)
+        return (factors.product(compute) + left.to(compute).reshape(rows, cols)).reshape(spec.shape).to(spec.dtype)
+
+
+@register_codec
+class LowRankCodec(_Factored, PreparedEncoding, Codec):
+    """A tensor as a rank-``rank`` product of integer factors, plus what the product leaves
+    coded by ``inner`` when there is one (a codec without a reference or a context).
+    Without one, what the product leaves is dropped: the tensor is stored as its top
+    ``rank`` directions alone.
+
+    Args:
+        rank: the factors' rank, 1 to :data:`MAX_RANK`.
+        inner: the codec of what the product leaves (config or codec object), or None.
+        factor_coding: how the factor entries are coded (:data:`FACTOR_CODINGS`).
+    """
+
+    codec_id = "low_rank"
+    lossless = False
+    max_expansion = PADDED_MAX_EXPANSION
+
+    def __init__(self, rank: int, inner: Union[dict[str, Any], Codec, None] = None, factor_coding: str = "columns") -> None:
+        self.rank = self._check_rank(rank)
+        self._inner: Optional[Codec] = None if inner is None else inner if isinstance(inner, Codec) else get_codec(inner)
+        if self._inner is not None and (self._inner.uses_reference or self._inner.uses_context):
+            raise ValueError(f"{self.codec_id}: the inner codec must use neither a reference nor a context")
+        self.inner = None if self._inner is None else self._inner.get_config()
+        self.factor_coding = self._check_coding(factor_coding)
+
+    def encode(self, tensor: torch.Tensor, reference: Optional[torch.Tensor] = None) -> Encoded:
+        prepared = self._take_prepared(tensor, None)
+        if prepared is not None:
+            return prepared
+        spec = TensorSpec.of(tensor)
+        rows, cols = self._encode_shape(spec)
+        compute = working_dtype(tensor.dtype)
+        matrix = checked_float_input(tensor, self.codec_id).reshape(rows, cols)
+        if self._inner is None:
+            factors = self._factors_of(matrix)
+            streams: list[Any] = [factors.to_bytes(self.factor_coding)]
+            padding = padding_stream(streams, spec.nbytes, self.max_expansion)
+            if padding:
+                streams.append(padding)
+            rebuilt = factors.product(compute, matrix.device)
+            return Encoded(streams=streams, params={}, reconstruction=rebuilt.reshape(spec.shape).to(tensor.dtype))
+        factors, inner, rebuilt = self._encode_factored(matrix, spec.shape, compute, self._inner.encode)
+        return Encoded(
+            streams=[factors.to_bytes(self.factor_coding), *inner.streams],
+            params={"inner": inner.params},
+            reconstruction=rebuilt.reshape(spec.shape).to(tensor.dtype),
+        )
+
+    def decode(
+        self,
+        streams: Sequence[Any],
+        params: dict[str, Any],
+        spec: TensorSpec,
+        reference: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        compute = require_float_spec(spec, self.codec_id)
+        rows, cols = self._shape(spec)
+        if self._inner is None:
+            if not 1 <= len(streams) <= 2:
+                raise FormatError(f"{self.codec_id}: expected the factor stream and at most a padding stream, got {len(streams)} streams")
+            if len(streams) == 2:
+                check_padding_stream(streams[1], self.codec_id)
+            factors = LowRankFactors.from_bytes(streams[0], rows, cols, self.rank, self.factor_coding)
+            return factors.product(compute).reshape(spec.shape).to(spec.dtype)
+        factors, inner_params = self._read_factors(streams, params, rows, cols)
+        left = self._inner.decode(streams[1:], inner_params, TensorSpec(compute, spec.shape))
         return (factors.product(compute) + left.to(compute).reshape(rows, cols)).reshape(spec.shape).to(spec.dtype)

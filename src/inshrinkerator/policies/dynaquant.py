@@ -242,6 +242,14 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
             (``dynaquant_grouped_low_rank``): a matrix's first moment is an average of its
             recent gradients, lower in rank than its change (docs/dynaquant-measurements.md,
             *First moments as a low-rank product*).
+        low_rank_momentum: where ``momentum_keep`` prunes a momentum buffer (a matrix, both
+            sides at least 16), store it instead as a low-rank product of small-integer
+            factors alone (``low_rank``), of the least rank up to a quarter of its smaller
+            side that loses no more of its squared size than the pruning would, where the
+            factors are estimated to take fewer bits than the pruned buffer's mask and
+            entries: a buffer averages recent gradients, sums of outer products, so its top
+            few directions hold more of it than its largest entries do
+            (docs/dynaquant-measurements.md, *Momentum buffers as a low-rank product*).
         carry_error: a delta keeps the error a weight was last stored with (a full
             checkpoint's levels, or the last change coded against the weight itself)
             instead of coding it away, while that error's squared size is at most this many
@@ -361,6 +369,7 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
     sign_grouped_changes: bool = False
     low_rank_changes: bool = True
     low_rank_first_moments: bool = True
+    low_rank_momentum: bool = True
     carry_error: float = 2.0
     refine_error: Optional[float] = 0.5
     residual_bins: tuple[int, ...] = (10,)
@@ -397,7 +406,7 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
         _check_number("sigma", self.sigma, 0.0, 1.0)
         _check_number("stickiness", self.stickiness, 0.0, 4.0)
         for knob in ("precision_only_grows", "joint_moment_mask", "first_moment_octaves", "sign_grouped_changes", "low_rank_changes",
-                     "low_rank_first_moments", "cell_means", "pooled_error", "fisher_pooling"):
+                     "low_rank_first_moments", "low_rank_momentum", "cell_means", "pooled_error", "fisher_pooling"):
             if not isinstance(getattr(self, knob), bool):
                 raise ValueError(f"{knob} must be a bool, got {getattr(self, knob)!r}")
         _check_number("first_moment_keep", self.first_moment_keep, 0.0, 1.0)

@@ -22,7 +22,7 @@ from ..codecs.dynaquant_context import DynaQuantGroupedCodec, DynaQuantMaskedCod
 from ..codecs.factored_moment import FactoredMomentCodec, factored_shape
 from ..codecs.log_lattice import lattice_range, lattice_values
 from ..codecs.log_sketch import MAGNITUDE_KEYS, SIGNED_KEYS, magnitude_keys, signed_keys
-from ..codecs.low_rank import GroupedLowRankCodec
+from ..codecs.low_rank import MIN_SIDE, GroupedLowRankCodec, LowRankCodec, low_rank_within, matrix_shape
 from ..codecs.nonuniform_quantizer import LOG, LevelTable, fit_centroids_batch
 from ..tree import TensorLeaf, format_key_path
 from .base import encoded_size, leaf_nbytes, usable_reference
@@ -49,6 +49,11 @@ MOMENT_ROLES = _FIRST_ORDER + _POSITIVE
 SECOND_MOMENT_PROTECT = 0.005
 #: The share of a whole first moment's estimated bits a low-rank product must save.
 FIRST_MOMENT_LOW_RANK_MARGIN = 0.15
+#: About what an entropy-coded factor entry of a momentum buffer's product costs, and what
+#: a pruned buffer's kept entry costs beyond the mask (its level id), in bits: a product
+#: is stored where its factors are estimated to take fewer bits than the pruned buffer.
+_FACTOR_ENTRY_BITS = 4.5
+_KEPT_ENTRY_BITS = 2.0
 #: Level-count factor of the moments of tensors under ``min_numel`` (biases, norm layers).
 SMALL_MOMENT_LEVEL_FACTOR = 2
 #: The share of its squared size an Adam first moment under ``min_numel`` loses on its
@@ -90,6 +95,7 @@ class MomentPlanning:
     moment_bins: int
     first_moment_error: Optional[float]
     low_rank_first_moments: bool
+    low_rank_momentum: bool
     momentum_bins: int
     second_moment_bins: int
     second_moment: str
@@ -168,7 +174,47 @@ class MomentPlanning:
             codecs[index] = plan.finish(self._memory) if isinstance(plan, _MomentPlan) else plan
         if self.low_rank_first_moments and self.first_moment_error is not None and first_keep >= 1.0:
             self._factor_first_moments(leaves, codecs, [i for i in grouped if i not in chosen_later])
+        if self.low_rank_momentum and momentum_keep < 1.0:
+            buffers = [
+                index for index, role in items
+                if role is TensorRole.MOMENTUM_BUFFER and leaves[index].tensor.numel() >= self.min_numel
+            ]
+            self._factor_momentum_buffers(leaves, codecs, buffers, momentum_keep)
         return choices
+
+    def _factor_momentum_buffers(
+        self, leaves: Sequence[TensorLeaf], codecs: list[Codec], indices: list[int], keep: float
+    ) -> None:
+        """Momentum buffers pruned to their ``keep`` largest entries at this checkpoint
+        (``indices``), stored instead as a low-rank product alone (``low_rank``) where one of
+        rank up to a quarter of the matrix's smaller side loses no more of the buffer's
+        squared size than the pruning would, and its factors are estimated to take fewer
+        bits than the pruned buffer (its mask and kept entries). A buffer is an average of
+        recent gradients, sums of outer products: on the digits SGD benchmark a rank-2 or
+        rank-4 product holds more of it than its largest 5 % of entries
+        (docs/dynaquant-measurements.md, *Momentum buffers as a low-rank product*)."""
+
+        def factors_of(index: int) -> Any:
+            tensor = leaves[index].tensor.detach()
+            shape = matrix_shape(tuple(tensor.shape))
+            if shape is None or min(shape) < MIN_SIDE:
+                return None
+            flat = tensor.reshape(-1).float()
+            kept = max(1, int(round(keep * flat.numel()))) if keep > 0 else 0
+            energy = float(torch.dot(flat, flat))
+            largest = flat.abs().topk(kept).values if kept else flat[:0]
+            pruned_loss = energy - float(torch.dot(largest, largest))
+            factors = low_rank_within(tensor.reshape(shape), pruned_loss)
+            if factors is None:
+                return None
+            mask_bits = _binary_entropy(kept / flat.numel()) * flat.numel()
+            if _FACTOR_ENTRY_BITS * factors.rank * sum(shape) >= mask_bits + _KEPT_ENTRY_BITS * kept:
+                return None
+            return factors
+
+        for index, factors in zip(indices, parallel_map_sized(factors_of, indices, [leaf_nbytes(leaves[i]) for i in indices])):
+            if factors is not None:
+                codecs[index] = LowRankCodec(factors.rank).with_factors(factors)
 
     def _factor_first_moments(self, leaves: Sequence[TensorLeaf], codecs: list[Codec], indices: list[int]) -> None:
         """Adam's first moments kept whole and coded per octave of their second moment
@@ -380,6 +426,13 @@ class MomentPlanning:
         # moment: plain k-means rounded some small |m| (high score: small v) up to a far
         # larger level, and those restored steps blew up a digits run.
         return {"prune_mask": prune_mask}, (kept, bins)
+
+
+def _binary_entropy(p: float) -> float:
+    """Bits per entry of a mask that keeps the fraction ``p``."""
+    if not 0 < p < 1:
+        return 0.0
+    return -(p * math.log2(p) + (1 - p) * math.log2(1 - p))
 
 
 def _first_moment_prune_mask(moment: torch.Tensor, second: torch.Tensor, keep: float) -> torch.Tensor:

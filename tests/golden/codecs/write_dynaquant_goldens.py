@@ -43,6 +43,7 @@ from inshrinkerator.codecs import (
     DynaQuantMaskedCodec,
     DynaQuantMaskedDeltaCodec,
     GroupedLowRankCodec,
+    LowRankCodec,
     LowRankResidualCodec,
     SignGroupedResidualCodec,
 )
@@ -157,6 +158,10 @@ def _cases() -> list[tuple[str, Codec, torch.Tensor, Optional[torch.Tensor], Opt
         ("residual_low_rank/float32_rank2", LowRankResidualCodec(DynaQuantCodec(bins=10), rank=2), turned, matrix, None),
         ("dynaquant_grouped_low_rank/float32_rank3_by_octave",
          GroupedLowRankCodec(DynaQuantGroupedCodec(bins=8), rank=3), averaged, None, spread),
+        # A momentum buffer mostly along three directions: the product alone, and the product
+        # plus what it leaves on k-means levels.
+        ("low_rank/float32_rank3_product", LowRankCodec(rank=3), averaged, None, None),
+        ("low_rank/float32_rank2_with_inner", LowRankCodec(rank=2, inner=DynaQuantCodec(bins=8, prune=0.5)), averaged, None, None),
     ]
 
 
