@@ -1,6 +1,6 @@
 """LowRankResidualCodec: a change as a low-rank product of integer factors plus what it
 leaves; GroupedLowRankCodec: a first moment so; LowRankCodec: a tensor as the product alone
-or plus what it leaves."""
+or plus what it leaves; ScaledLowRankCodec: the product times the square root of a context."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from inshrinkerator.codecs import (
     LowRankCodec,
     LowRankResidualCodec,
     ResidualCodec,
+    ScaledLowRankCodec,
     TensorSpec,
     get_codec,
 )
@@ -31,6 +32,7 @@ from inshrinkerator.codecs.low_rank import (
     low_rank_factors,
     low_rank_within,
     matrix_shape,
+    step_scale,
 )
 from inshrinkerator.errors import BrokenChainError, CorruptCheckpointError, FormatError
 from inshrinkerator.policies.even_levels import even_levels, spread
@@ -434,3 +436,63 @@ def test_low_rank_golden(case) -> None:
 def test_low_rank_goldens_exist() -> None:
     configs = [json.loads((case / "case.json").read_text())["config"] for case in golden_cases("low_rank")]
     assert {config["inner"] is None for config in configs} == {True, False}
+
+
+def _adam_moments(seed: int, shape: tuple[int, int] = (48, 80)) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(m, v)``: a second moment spread over octaves, and a first moment whose steps
+    ``m / sqrt(v)`` lie mostly along two directions (as a layer's Adam steps do)."""
+    generator = torch.Generator().manual_seed(seed)
+    v = torch.exp2(torch.randn(shape, generator=generator) * 2 - 20)
+    steps = _few_directions(shape, 2, seed + 1, noise=0.05) * 0.1
+    return steps * v.sqrt(), v
+
+
+def test_a_scaled_product_decodes_to_its_reconstruction_with_its_context() -> None:
+    m, v = _adam_moments(7)
+    codec = ScaledLowRankCodec(2).against("v")
+    encoded = codec.encode(m, None, context=v)
+    decoded = get_codec(codec.get_config()).decode(encoded.streams, encoded.params, TensorSpec.of(m), None, context=v)
+    assert same_bits(decoded, encoded.reconstruction)
+    # The steps m / sqrt(v) are what the product holds: their error is small although m
+    # spans many octaves, and m itself is never larger than its steps allow.
+    steps, restored = m / step_scale(v, torch.float32), decoded / step_scale(v, torch.float32)
+    assert _squared(restored - steps) / _squared(steps) < 0.01
+    plain = encode_decode(LowRankCodec(2), m)  # the same rank on m itself misses the steps
+    assert _squared(plain / step_scale(v, torch.float32) - steps) / _squared(steps) > 0.1
+    # A restored step is the product's value: no larger than the steps it was fitted to
+    # (up to the factors' rounding), wherever v is small.
+    assert float(restored.abs().max()) <= 1.2 * float(steps.abs().max())
+
+
+def test_a_scaled_product_refuses_a_missing_or_wrong_context_and_bad_streams() -> None:
+    m, v = _adam_moments(8)
+    codec = ScaledLowRankCodec(2)
+    spec = TensorSpec.of(m)
+    with pytest.raises(ValueError, match="another tensor"):
+        codec.encode(m)
+    encoded = codec.encode(m, None, context=v)
+    with pytest.raises(FormatError, match="another tensor"):
+        codec.decode(encoded.streams, encoded.params, spec)
+    with pytest.raises(FormatError, match="elements"):
+        codec.decode(encoded.streams, encoded.params, spec, None, context=v[:, :10])
+    with pytest.raises(FormatError, match="streams"):
+        codec.decode([*encoded.streams, b"", b""], encoded.params, spec, None, context=v)
+    with pytest.raises(FormatError):
+        codec.decode([bytes(encoded.streams[0])[:3]], encoded.params, spec, None, context=v)
+    with pytest.raises(ValueError, match="rank"):
+        ScaledLowRankCodec(65)
+    check_damaged_streams(codec, m, context=v)
+    # A negative context value (no second moment has one) counts as 0: finite values.
+    negative = -v
+    encoded = codec.encode(m, None, context=negative)
+    decoded = codec.decode(encoded.streams, encoded.params, spec, None, context=negative)
+    assert bool(torch.isfinite(decoded).all()) and same_bits(decoded, encoded.reconstruction)
+
+
+@pytest.mark.parametrize("case", golden_cases("low_rank_scaled"), ids=lambda p: p.name)
+def test_scaled_golden(case) -> None:
+    check_golden(case, encode_ulps=ENCODE_ULPS)
+
+
+def test_scaled_goldens_exist() -> None:
+    assert len(golden_cases("low_rank_scaled")) >= 1

@@ -48,7 +48,7 @@ def test_the_moments_of_small_weights_are_quantized() -> None:
 
 def test_the_first_moments_of_small_weights_are_not_pruned(tmp_path) -> None:
     _, (state,) = trained_states(1)
-    ink.save(state, tmp_path / "m.ink", policy=DynaQuant(first_moment_keep=0.1, first_moment_keep_after=0))
+    ink.save(state, tmp_path / "m.ink", policy=DynaQuant(first_moment_keep=0.1, first_moment_keep_after=0, low_rank_steps=False))
     loaded = ink.load(tmp_path / "m.ink")["optimizer"]["state"]
     m = state["optimizer"]["state"][4]["exp_avg"]
     assert float((loaded[2]["exp_avg"] != 0).float().mean()) < 0.13  # the large weight's: pruned
@@ -68,7 +68,7 @@ def test_sgd_momentum_is_quantized_too(tmp_path) -> None:
 
 def test_first_moments_keep_the_steadiest_entries(tmp_path) -> None:
     _, (state,) = trained_states(1)
-    ink.save(state, tmp_path / "m.ink", policy=DynaQuant(first_moment_keep=0.1, first_moment_keep_after=0))
+    ink.save(state, tmp_path / "m.ink", policy=DynaQuant(first_moment_keep=0.1, first_moment_keep_after=0, low_rank_steps=False))
     loaded = ink.load(tmp_path / "m.ink")["optimizer"]["state"][2]
     m, v = state["optimizer"]["state"][2]["exp_avg"], state["optimizer"]["state"][2]["exp_avg_sq"]
     kept = loaded["exp_avg"] != 0
@@ -97,7 +97,7 @@ def test_first_moments_are_never_rounded_to_more_than_twice_their_size(tmp_path,
     # entries first_moment_keep keeps, whose |m| can be small where v is small).
     _, states = trained_states(2)
     state = states[1]
-    ink.save(state, tmp_path / "m.ink", policy=DynaQuant(moment_bins=bins, first_moment_keep=keep, first_moment_keep_after=0))
+    ink.save(state, tmp_path / "m.ink", policy=DynaQuant(moment_bins=bins, first_moment_keep=keep, first_moment_keep_after=0, low_rank_steps=False))
     loaded = ink.load(tmp_path / "m.ink")["optimizer"]["state"]
     for key, entry in state["optimizer"]["state"].items():
         m, restored = entry["exp_avg"], loaded[key]["exp_avg"]
@@ -115,7 +115,7 @@ def test_a_pruned_first_moment_entry_restarts_with_a_zero_second_moment(tmp_path
     # With beta2 = 0.999 a restart would grow the steps up to 14x: the moment stays whole.
     _, (state,) = trained_states(1, optimizer="adam95" if beta2 == 0.95 else "adam")
     joint = joint and beta2 == 0.95
-    policy = DynaQuant(first_moment_keep=0.1, first_moment_keep_after=0, joint_moment_mask=joint)
+    policy = DynaQuant(first_moment_keep=0.1, first_moment_keep_after=0, joint_moment_mask=joint, low_rank_steps=False)
     info = ink.save(state, tmp_path / "m.ink", policy=policy)
     loaded = ink.load(tmp_path / "m.ink")["optimizer"]["state"]
     large = [key for key, entry in state["optimizer"]["state"].items() if entry["exp_avg"].numel() >= 1024]
@@ -282,7 +282,7 @@ def test_first_moments_are_pruned_only_far_enough_from_the_checkpoint_before(tmp
     # The states are 5 Adam steps apart, the first 5 steps after the optimizer's start: the
     # full checkpoint and the delta both prune when first_moment_keep_after <= 5.
     _, states = trained_states(2)
-    manager = ink.CheckpointManager(tmp_path / "run", policy=DynaQuant(first_moment_keep=0.1, first_moment_keep_after=after))
+    manager = ink.CheckpointManager(tmp_path / "run", policy=DynaQuant(first_moment_keep=0.1, first_moment_keep_after=after, low_rank_steps=False))
     for step, state in enumerate(states):
         manager.save(step, state)
     manager.close()
@@ -296,7 +296,7 @@ def test_a_full_checkpoint_counts_its_steps_from_the_save_before_it(tmp_path) ->
     # steps: every entry kept); a fresh policy counts from the optimizer's start (15: pruned).
     # (k-means levels: evenly spaced ones round more of a whole moment's entries to 0.)
     _, states = trained_states(3)
-    options = {"first_moment_keep": 0.1, "first_moment_keep_after": 6, "first_moment_error": None}
+    options = {"first_moment_keep": 0.1, "first_moment_keep_after": 6, "first_moment_error": None, "low_rank_steps": False}
     manager = ink.CheckpointManager(tmp_path / "run", policy=DynaQuant(**options), full_every=1)
     for step, state in enumerate(states):
         manager.save(step, state)
@@ -577,7 +577,7 @@ def test_by_default_a_pruned_first_moment_keeps_five_per_cent(tmp_path) -> None:
     # 0.05 stored the char GPT benchmark 8 % smaller than 0.1 at the same paired-restore
     # degradation (docs/dynaquant-measurements.md, *Keeping 5 % of the first moment*).
     _, (state,) = trained_states(1)
-    ink.save(state, tmp_path / "m.ink", policy=DynaQuant(first_moment_keep_after=0))
+    ink.save(state, tmp_path / "m.ink", policy=DynaQuant(first_moment_keep_after=0, low_rank_steps=False))
     kept = ink.load(tmp_path / "m.ink")["optimizer"]["state"][2]["exp_avg"] != 0
     assert 0.03 < float(kept.float().mean()) < 0.065
 
@@ -624,6 +624,8 @@ def test_low_rank_first_moments_must_be_a_bool() -> None:
         DynaQuant(low_rank_first_moments="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="low_rank_momentum"):
         DynaQuant(low_rank_momentum=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="low_rank_steps"):
+        DynaQuant(low_rank_steps=None)  # type: ignore[arg-type]
 
 
 def _momentum_of(state: dict, path: str) -> tuple[torch.Tensor, tuple[str, int]]:
@@ -705,3 +707,57 @@ def test_a_small_second_moment_is_stored_on_a_log_lattice(monkeypatch) -> None:
                 assert int((off > 0.125 + math.log2(1 + 2**-6)).sum()) <= protected
     for whole in (True, False):
         assert sizes[True, whole] < sizes[False, whole]
+
+
+def _steps_of_few_directions(state: dict, index: int = 2) -> dict:
+    """``state`` with entry ``index``'s first moment replaced by one whose steps ``m / sqrt(v)``
+    lie mostly along two directions (as a layer's Adam steps do), its second moment kept."""
+    entry = state["optimizer"]["state"][index]
+    v = entry["exp_avg_sq"]
+    generator = torch.Generator().manual_seed(0)
+    directions = torch.randn(v.shape[0], 2, generator=generator) @ torch.randn(2, v.shape[1], generator=generator)
+    noise = torch.randn(v.shape, generator=generator) * 0.3
+    entry["exp_avg"] = (directions + noise) * 0.01 * (v.sqrt() + 1e-8)
+    return state
+
+
+def _steps(m: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return m.double() / (v.double().sqrt() + 1e-8)
+
+
+@pytest.mark.parametrize("optimizer, product", [("adam", True), ("adam95", False)])
+def test_a_pruned_first_moment_of_few_step_directions_is_a_scaled_product(tmp_path, optimizer, product) -> None:
+    # Where the first moment is pruned and its second moment takes no joint mask (beta2 =
+    # 0.999 restarts would grow too much), a first moment whose steps m / sqrt(v) lie in a
+    # few directions is stored as a product of those steps times sqrt(v) as stored: fewer
+    # bytes, its steps no further off than the pruning's, none larger than the exact
+    # ones allow. With beta2 = 0.95 the joint mask is kept instead.
+    from inshrinkerator.codecs import ScaledLowRankCodec
+
+    _, (state,) = trained_states(1, optimizer=optimizer)
+    state = _steps_of_few_directions(state)
+    key, second = "optimizer/state/2/exp_avg", "optimizer/state/2/exp_avg_sq"
+    truth = _steps(state["optimizer"]["state"][2]["exp_avg"], state["optimizer"]["state"][2]["exp_avg_sq"])
+
+    def stored(name: str, **options) -> tuple[torch.Tensor, dict]:
+        path = tmp_path / f"{name}.ink"
+        ink.save(state, path, policy=DynaQuant(first_moment_keep_after=0, **options))
+        restored = by_key(ink.load(path))
+        return _steps(restored[key], restored[second]), codecs_and_bytes(path)
+
+    steps, files = stored("default")
+    pruned, pruned_files = stored("pruned", low_rank_steps=False)
+    if not product:
+        assert files[key][0] != ScaledLowRankCodec.codec_id and files == pruned_files
+        return
+    assert files[key][0] == ScaledLowRankCodec.codec_id and pruned_files[key][0] != ScaledLowRankCodec.codec_id
+    assert files[key][1] < 0.5 * pruned_files[key][1]
+    error = float((steps - truth).pow(2).sum() / truth.pow(2).sum())
+    pruned_error = float((pruned - truth).pow(2).sum() / truth.pow(2).sum())
+    assert error < pruned_error
+    assert float(steps.abs().max()) <= 1.25 * float(truth.abs().max())
+    # A fresh process restores it (the second moment decoded first, as its context).
+    with ink.CheckpointManager(tmp_path / "run", policy=DynaQuant(first_moment_keep_after=0)) as manager:
+        manager.save(0, state)
+    again = by_key(ink.CheckpointManager(tmp_path / "run").load(0))
+    assert float((_steps(again[key], again[second]) - truth).pow(2).sum() / truth.pow(2).sum()) < pruned_error

@@ -20,7 +20,7 @@ from .dynaquant_context import (
     SignGroupedResidualCodec,
 )
 from .factored_moment import FactoredMomentCodec
-from .low_rank import GroupedLowRankCodec, LowRankCodec, LowRankResidualCodec
+from .low_rank import GroupedLowRankCodec, LowRankCodec, LowRankResidualCodec, ScaledLowRankCodec
 from .unchanged import UnchangedCodec
 
 __all__ = [
@@ -54,5 +54,6 @@ __all__ = [
     "GroupedLowRankCodec",
     "LowRankCodec",
     "LowRankResidualCodec",
+    "ScaledLowRankCodec",
     "UnchangedCodec",
 ]

@@ -4,7 +4,9 @@ leaves coded per octave of its second moment: :class:`GroupedLowRankCodec`
 (``dynaquant_grouped_low_rank``); and a tensor as the product alone, or the product plus
 what it leaves coded by any codec without a reference: :class:`LowRankCodec`
 (``low_rank``; an SGD momentum buffer, whose top few directions hold more of it than its
-largest entries do).
+largest entries do); and a tensor as such a product times the square root of its context:
+:class:`ScaledLowRankCodec` (``low_rank_scaled``; Adam's first moment as its steps
+``m / sqrt(v)``, scaled back by the second moment of the same checkpoint as stored).
 
 Between close checkpoints the change of a weight matrix is close to low rank: its
 gradient steps are sums of outer products of layer inputs and output gradients, and
@@ -30,8 +32,9 @@ symbol = integer + 15) of the left factor, row-major, then the right. A tensor o
 ``(d0, d1, ...)`` is the matrix ``d0 x (d1 * ...)``. The other streams are the inner
 codec's, of ``change - product`` (of ``tensor - product`` for the grouped codec, whose inner
 codec is a ``dynaquant_grouped`` reading the same context, and for ``low_rank``); a
-``low_rank`` without an inner codec may end with a padding stream of zero bytes instead
-(:mod:`.expansion_padding`: a product of a huge matrix is far smaller than the matrix).
+``low_rank`` without an inner codec, and ``low_rank_scaled``, may end with a padding stream
+of zero bytes instead (:mod:`.expansion_padding`: a product of a huge matrix is far smaller
+than the matrix).
 """
 
 from __future__ import annotations
@@ -59,15 +62,20 @@ from .xor_delta import reference_checksum
 __all__ = [
     "GroupedLowRankCodec",
     "MAX_RANK",
+    "STEP_EPSILON",
     "LowRankCodec",
     "LowRankFactors",
     "LowRankResidualCodec",
+    "ScaledLowRankCodec",
     "choose_low_rank",
     "low_rank_factors",
     "low_rank_within",
     "matrix_shape",
 ]
 
+#: What :class:`ScaledLowRankCodec` adds to the square root of its context (Adam's default
+#: ``eps``): a step ``m / (sqrt(v) + eps)`` where ``v`` is 0 stays finite.
+STEP_EPSILON = 1e-8
 #: The largest rank stored (factors of up to this rank multiply exactly in float32).
 MAX_RANK = 64
 #: Factor entries are integers in ``[-FACTOR_LEVELS, FACTOR_LEVELS]``.
@@ -548,3 +556,74 @@ class LowRankCodec(_Factored, PreparedEncoding, Codec):
         factors, inner_params = self._read_factors(streams, params, rows, cols)
         left = self._inner.decode(streams[1:], inner_params, TensorSpec(compute, spec.shape))
         return (factors.product(compute) + left.to(compute).reshape(rows, cols)).reshape(spec.shape).to(spec.dtype)
+
+
+def step_scale(context: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``sqrt(max(context, 0)) + STEP_EPSILON`` in ``dtype``: what a step is multiplied by
+    (the same bits wherever it is computed: a square root is correctly rounded)."""
+    return context.to(dtype).clamp(min=0).sqrt_().add_(STEP_EPSILON)
+
+
+@register_codec
+class ScaledLowRankCodec(_ContextKey, _Factored, PreparedEncoding, Codec):
+    """A tensor as a rank-``rank`` product of integer factors times ``sqrt(context) + eps``
+    (:data:`STEP_EPSILON`), elementwise; the context is the reconstruction of another
+    tensor of the same file. For Adam's first moment ``m`` with its second moment ``v`` as
+    context, the product holds the steps ``m / sqrt(v)``: what the optimizer uses, and a
+    matrix of fewer directions than ``m`` itself. A negative context value counts as 0.
+
+    Args:
+        rank: the factors' rank, 1 to :data:`MAX_RANK`.
+        factor_coding: how the factor entries are coded (:data:`FACTOR_CODINGS`).
+    """
+
+    codec_id = "low_rank_scaled"
+    lossless = False
+    max_expansion = PADDED_MAX_EXPANSION
+
+    def __init__(self, rank: int, factor_coding: str = "columns") -> None:
+        self.rank = self._check_rank(rank)
+        self.factor_coding = self._check_coding(factor_coding)
+
+    def encode(
+        self,
+        tensor: torch.Tensor,
+        reference: Optional[torch.Tensor] = None,
+        context: Optional[torch.Tensor] = None,
+    ) -> Encoded:
+        prepared = self._take_prepared(tensor, None, context)
+        if prepared is not None:
+            return prepared
+        spec = TensorSpec.of(tensor)
+        rows, cols = self._encode_shape(spec)
+        try:
+            scale = step_scale(self._context(spec, context).to(tensor.device), working_dtype(tensor.dtype))
+        except FormatError as exc:
+            raise ValueError(str(exc)) from None
+        compute = working_dtype(tensor.dtype)
+        steps = (checked_float_input(tensor, self.codec_id).reshape(-1) / scale).reshape(rows, cols)
+        factors = self._factors_of(steps)
+        streams: list[Any] = [factors.to_bytes(self.factor_coding)]
+        padding = padding_stream(streams, spec.nbytes, self.max_expansion)
+        if padding:
+            streams.append(padding)
+        rebuilt = factors.product(compute, tensor.device).reshape(-1) * scale
+        return Encoded(streams=streams, params={}, reconstruction=rebuilt.reshape(spec.shape).to(tensor.dtype))
+
+    def decode(
+        self,
+        streams: Sequence[Any],
+        params: dict[str, Any],
+        spec: TensorSpec,
+        reference: Optional[torch.Tensor] = None,
+        context: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        compute = require_float_spec(spec, self.codec_id)
+        rows, cols = self._shape(spec)
+        scale = step_scale(self._context(spec, context).to("cpu"), compute)
+        if not 1 <= len(streams) <= 2:
+            raise FormatError(f"{self.codec_id}: expected the factor stream and at most a padding stream, got {len(streams)} streams")
+        if len(streams) == 2:
+            check_padding_stream(streams[1], self.codec_id)
+        factors = LowRankFactors.from_bytes(streams[0], rows, cols, self.rank, self.factor_coding)
+        return (factors.product(compute).reshape(-1) * scale).reshape(spec.shape).to(spec.dtype)

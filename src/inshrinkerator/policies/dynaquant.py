@@ -250,6 +250,16 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
             entries: a buffer averages recent gradients, sums of outer products, so its top
             few directions hold more of it than its largest entries do
             (docs/dynaquant-measurements.md, *Momentum buffers as a low-rank product*).
+        low_rank_steps: where ``first_moment_keep`` prunes an Adam first moment (a matrix,
+            both sides at least 16), store it instead as a low-rank product of small-integer
+            factors of its steps ``m / sqrt(v)``, times ``sqrt(v)`` as stored
+            (``low_rank_scaled``, reading the second moment of the same checkpoint), of the
+            least rank that loses no more of the steps' squared size than the pruning would,
+            where the factors are estimated to take fewer bits. Not where the second moment
+            may be stored with the first moment's zeros (``joint_moment_mask``; a product has
+            none): only Adam entries whose ``betas`` keep the joint mask off (such as the
+            default ``(0.9, 0.999)``) (docs/dynaquant-measurements.md, *Adam's steps as a
+            low-rank product*).
         carry_error: a delta keeps the error a weight was last stored with (a full
             checkpoint's levels, or the last change coded against the weight itself)
             instead of coding it away, while that error's squared size is at most this many
@@ -370,6 +380,7 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
     low_rank_changes: bool = True
     low_rank_first_moments: bool = True
     low_rank_momentum: bool = True
+    low_rank_steps: bool = True
     carry_error: float = 2.0
     refine_error: Optional[float] = 0.5
     residual_bins: tuple[int, ...] = (10,)
@@ -406,7 +417,7 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
         _check_number("sigma", self.sigma, 0.0, 1.0)
         _check_number("stickiness", self.stickiness, 0.0, 4.0)
         for knob in ("precision_only_grows", "joint_moment_mask", "first_moment_octaves", "sign_grouped_changes", "low_rank_changes",
-                     "low_rank_first_moments", "low_rank_momentum", "cell_means", "pooled_error", "fisher_pooling"):
+                     "low_rank_first_moments", "low_rank_momentum", "low_rank_steps", "cell_means", "pooled_error", "fisher_pooling"):
             if not isinstance(getattr(self, knob), bool):
                 raise ValueError(f"{knob} must be a bool, got {getattr(self, knob)!r}")
         _check_number("first_moment_keep", self.first_moment_keep, 0.0, 1.0)

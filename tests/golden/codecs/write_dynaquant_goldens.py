@@ -45,6 +45,7 @@ from inshrinkerator.codecs import (
     GroupedLowRankCodec,
     LowRankCodec,
     LowRankResidualCodec,
+    ScaledLowRankCodec,
     SignGroupedResidualCodec,
 )
 from inshrinkerator.codecs.bucket_delta import encode_bucket_ids
@@ -162,6 +163,9 @@ def _cases() -> list[tuple[str, Codec, torch.Tensor, Optional[torch.Tensor], Opt
         # plus what it leaves on k-means levels.
         ("low_rank/float32_rank3_product", LowRankCodec(rank=3), averaged, None, None),
         ("low_rank/float32_rank2_with_inner", LowRankCodec(rank=2, inner=DynaQuantCodec(bins=8, prune=0.5)), averaged, None, None),
+        # A first moment whose steps (over the square root of its second moment, the
+        # context) lie along three directions.
+        ("low_rank_scaled/float32_rank3_steps", ScaledLowRankCodec(rank=3), (few * spread.sqrt() * 1e-3).float(), None, spread),
     ]
 
 
