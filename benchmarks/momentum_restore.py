@@ -1,47 +1,54 @@
-"""How far does a restore with a compressed momentum buffer take a run from the exact one?
+"""How far does a restore with a compressed momentum take a run from the exact one?
 
-Trains the digits SGD workload (SGD, momentum 0.9) without checkpoints and, at a few
-checkpoint steps, restores its exact state into a fresh copy of the workload with only the
-momentum buffers of 1,024 values or more replaced by:
+Trains a digits workload without checkpoints and, at a few checkpoint steps, restores its
+exact state into a fresh copy of the workload with only the momenta of 1,024 values or
+more replaced: SGD's momentum buffers (``digits-cnn-sgd``), or Adam's first moments
+(``digits-cnn``; their steps ``m / sqrt(v)`` with ``v`` exact), by
 
-- ``exact``: the buffer itself (the reference run);
-- ``pruned``: its largest ``--keep`` (5 %) entries by magnitude, the rest 0 (what
-  ``DynaQuant(low_rank_momentum=False)`` keeps at such a checkpoint, before rounding);
+- ``exact``: the momentum itself (the reference run);
+- ``pruned``: its ``--keep`` (5 %) largest entries (by magnitude; Adam's by
+  ``|m| / sqrt(v)``), the rest 0 (what ``DynaQuant(low_rank_momentum=False,
+  low_rank_steps=False)`` keeps at such a checkpoint, before rounding);
 - ``low_rank``: the integer-factor product :func:`~inshrinkerator.codecs.low_rank.low_rank_within`
-  picks for the energy the pruning loses, as ``DynaQuant()`` stores it (the pruned buffer
-  where it picks none or the matrix is too small);
+  picks for what the pruning loses (of Adam's steps, then times ``sqrt(v) + 1e-8``), as
+  ``DynaQuant()`` stores it (the pruned momentum where it picks none or the matrix is too
+  small);
 - ``zero``: no momentum at all.
 
-The weights are restored exactly, so only the momentum differs. Each copy trains
+The weights (and Adam's second moments) are restored exactly, so only the momentum differs. Each copy trains
 ``--after`` (30) steps on the same batches; printed: the squared distance of its weights
 from the exact copy's, over the squared distance the exact copy moved in those steps, and
 its mean training loss on the next 20 batches. The digits test accuracy moves in steps of
 one image (0.22 %), too coarse to tell these apart (docs/dynaquant-measurements.md,
 *Momentum buffers as a low-rank product*).
 
-Run: ``python benchmarks/momentum_restore.py --seeds 4``
+Run: ``python benchmarks/momentum_restore.py --seeds 4 [--workload digits-cnn]``
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from inshrinkerator.bench.workloads import make_workload
-from inshrinkerator.codecs.low_rank import MIN_SIDE, low_rank_within, matrix_shape
+from inshrinkerator.codecs.low_rank import MIN_SIDE, low_rank_within, matrix_shape, step_scale
 
 VARIANTS = ("exact", "pruned", "low_rank", "zero")
 
 
-def replaced(buffer: torch.Tensor, variant: str, keep: float) -> torch.Tensor:
-    """``buffer`` as ``variant`` restores it."""
+def replaced(buffer: torch.Tensor, variant: str, keep: float, second: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``buffer`` as ``variant`` restores it; with Adam's ``second`` moment, its steps
+    ``buffer / (sqrt(second) + 1e-8)`` are pruned or factored, then scaled back."""
     if variant == "exact":
         return buffer
     if variant == "zero":
         return torch.zeros_like(buffer)
+    if second is not None:
+        scale = step_scale(second, torch.float32).reshape(buffer.shape)
+        return replaced(buffer / scale, variant, keep) * scale
     flat = buffer.reshape(-1)
     largest = flat.abs().topk(max(1, int(round(keep * flat.numel()))))
     pruned = torch.zeros_like(flat)
@@ -59,9 +66,10 @@ def replaced(buffer: torch.Tensor, variant: str, keep: float) -> torch.Tensor:
 def with_momentum(state: dict[str, Any], variant: str, keep: float) -> dict[str, Any]:
     state = copy.deepcopy(state)
     for entry in state["optimizer"]["state"].values():
-        buffer = entry.get("momentum_buffer")
+        name = "momentum_buffer" if "momentum_buffer" in entry else "exp_avg"
+        buffer = entry.get(name)
         if buffer is not None and buffer.numel() >= 1024:
-            entry["momentum_buffer"] = replaced(buffer, variant, keep)
+            entry[name] = replaced(buffer, variant, keep, entry.get("exp_avg_sq"))
     return state
 
 
@@ -71,6 +79,7 @@ def squared(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", choices=("digits-cnn-sgd", "digits-cnn"), default="digits-cnn-sgd")
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--steps", type=int, nargs="+", default=[150, 300, 450], help="restore at these steps")
     parser.add_argument("--after", type=int, default=30, help="steps trained after each restore")
@@ -79,7 +88,7 @@ def main() -> None:
     torch.set_num_threads(1)
     distances: dict[str, list[float]] = {name: [] for name in VARIANTS}
     for seed in range(args.seeds):
-        workload = make_workload("digits-cnn-sgd", seed)
+        workload = make_workload(args.workload, seed)
         workload.build()
         states = {}
         for step in range(max(args.steps)):
@@ -89,7 +98,7 @@ def main() -> None:
         for at, state in states.items():
             ends = {}
             for variant in VARIANTS:
-                copy_ = make_workload("digits-cnn-sgd", seed)
+                copy_ = make_workload(args.workload, seed)
                 copy_.build()
                 copy_.restore(with_momentum(state, variant, args.keep))
                 for step in range(at, at + args.after):

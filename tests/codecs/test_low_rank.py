@@ -32,6 +32,7 @@ from inshrinkerator.codecs.low_rank import (
     low_rank_factors,
     low_rank_within,
     matrix_shape,
+    rounded_sqrt,
     step_scale,
 )
 from inshrinkerator.errors import BrokenChainError, CorruptCheckpointError, FormatError
@@ -496,3 +497,15 @@ def test_scaled_golden(case) -> None:
 
 def test_scaled_goldens_exist() -> None:
     assert len(golden_cases("low_rank_scaled")) >= 1
+
+
+def test_square_roots_are_correctly_rounded_on_every_instruction_set() -> None:
+    # The hardware's float32 square root is correctly rounded (IEEE 754); torch.sqrt on
+    # the CPU may go through a vector math library that is not. The scaled codec's decode
+    # must give the same bits everywhere, so it settles each root itself.
+    generator = np.random.default_rng(0)
+    bits = generator.integers(0, 0x7F800000, size=200_000, dtype=np.uint32)  # finite, >= 0
+    edges = np.array([0.0, 1.0, 2.0, 4.0, 0.25, 1e-45, np.finfo(np.float32).tiny, np.finfo(np.float32).max], dtype=np.float32)
+    values = np.concatenate([bits.view(np.float32), edges])
+    roots = rounded_sqrt(torch.from_numpy(values)).numpy()
+    assert np.array_equal(roots.view(np.uint32), np.sqrt(values).view(np.uint32))

@@ -558,10 +558,30 @@ class LowRankCodec(_Factored, PreparedEncoding, Codec):
         return (factors.product(compute) + left.to(compute).reshape(rows, cols)).reshape(spec.shape).to(spec.dtype)
 
 
+def rounded_sqrt(values: torch.Tensor) -> torch.Tensor:
+    """The square roots of non-negative float32 ``values``, correctly rounded to float32:
+    the same bits on every device and instruction set. (``torch.sqrt`` on the CPU may run
+    through a vector math library that lands an ulp off, differently per instruction set.)
+
+    A first estimate in float64 is within an ulp of the answer; each float32 candidate is
+    then settled by comparing ``values`` with the square of the midpoint to its neighbour,
+    which float64 holds exactly (25 significant bits squared)."""
+    near = values.double().sqrt().float()
+    up = torch.nextafter(near, torch.full_like(near, math.inf))
+    down = torch.nextafter(near, torch.zeros_like(near))
+    wide, target = near.double(), values.double()
+    above = (wide + up.double()) * 0.5
+    below = (wide + down.double()) * 0.5
+    return torch.where(above * above <= target, up, torch.where(below * below > target, down, near))
+
+
 def step_scale(context: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``sqrt(max(context, 0)) + STEP_EPSILON`` in ``dtype``: what a step is multiplied by
-    (the same bits wherever it is computed: a square root is correctly rounded)."""
-    return context.to(dtype).clamp(min=0).sqrt_().add_(STEP_EPSILON)
+    """``sqrt(max(context, 0)) + STEP_EPSILON`` in ``dtype`` (float32 or float64): what a
+    step is multiplied by, the same bits wherever it is computed (:func:`rounded_sqrt`;
+    in float64 the context is float32 at most, and the root of its float32 form is exact
+    enough to be rounded once more)."""
+    root = rounded_sqrt(context.float().clamp(min=0))
+    return root.to(dtype).add_(STEP_EPSILON)
 
 
 @register_codec
