@@ -357,6 +357,21 @@ class _Factored:
         left = inner.reconstruction if inner.reconstruction is not None else leftover
         return factors, inner, product + left.to(compute).reshape(matrix.shape)
 
+    def _product_streams(self, factors: LowRankFactors, decoded_bytes: int) -> list[Any]:
+        """The streams of a product stored alone: the factors, then zero padding where they
+        are too small for ``max_expansion`` (:mod:`.expansion_padding`)."""
+        streams: list[Any] = [factors.to_bytes(self.factor_coding)]
+        padding = padding_stream(streams, decoded_bytes, getattr(self, "max_expansion", PADDED_MAX_EXPANSION))
+        return [*streams, padding] if padding else streams
+
+    def _read_product(self, streams: Sequence[Any], rows: int, cols: int) -> LowRankFactors:
+        """The factors of a product stored alone (:meth:`_product_streams`)."""
+        if not 1 <= len(streams) <= 2:
+            raise FormatError(f"{self.codec_id}: expected the factor stream and at most a padding stream, got {len(streams)} streams")
+        if len(streams) == 2:
+            check_padding_stream(streams[1], self.codec_id)
+        return LowRankFactors.from_bytes(streams[0], rows, cols, self.rank, self.factor_coding)
+
     def _read_factors(self, streams: Sequence[Any], params: dict[str, Any], rows: int, cols: int) -> tuple[LowRankFactors, dict[str, Any]]:
         """``(factors, inner params)`` of stored streams; :class:`FormatError` if missing."""
         if len(streams) < 1:
@@ -524,12 +539,11 @@ class LowRankCodec(_Factored, PreparedEncoding, Codec):
         matrix = checked_float_input(tensor, self.codec_id).reshape(rows, cols)
         if self._inner is None:
             factors = self._factors_of(matrix)
-            streams: list[Any] = [factors.to_bytes(self.factor_coding)]
-            padding = padding_stream(streams, spec.nbytes, self.max_expansion)
-            if padding:
-                streams.append(padding)
             rebuilt = factors.product(compute, matrix.device)
-            return Encoded(streams=streams, params={}, reconstruction=rebuilt.reshape(spec.shape).to(tensor.dtype))
+            return Encoded(
+                streams=self._product_streams(factors, spec.nbytes), params={},
+                reconstruction=rebuilt.reshape(spec.shape).to(tensor.dtype),
+            )
         factors, inner, rebuilt = self._encode_factored(matrix, spec.shape, compute, self._inner.encode)
         return Encoded(
             streams=[factors.to_bytes(self.factor_coding), *inner.streams],
@@ -547,12 +561,7 @@ class LowRankCodec(_Factored, PreparedEncoding, Codec):
         compute = require_float_spec(spec, self.codec_id)
         rows, cols = self._shape(spec)
         if self._inner is None:
-            if not 1 <= len(streams) <= 2:
-                raise FormatError(f"{self.codec_id}: expected the factor stream and at most a padding stream, got {len(streams)} streams")
-            if len(streams) == 2:
-                check_padding_stream(streams[1], self.codec_id)
-            factors = LowRankFactors.from_bytes(streams[0], rows, cols, self.rank, self.factor_coding)
-            return factors.product(compute).reshape(spec.shape).to(spec.dtype)
+            return self._read_product(streams, rows, cols).product(compute).reshape(spec.shape).to(spec.dtype)
         factors, inner_params = self._read_factors(streams, params, rows, cols)
         left = self._inner.decode(streams[1:], inner_params, TensorSpec(compute, spec.shape))
         return (factors.product(compute) + left.to(compute).reshape(rows, cols)).reshape(spec.shape).to(spec.dtype)
@@ -623,12 +632,11 @@ class ScaledLowRankCodec(_ContextKey, _Factored, PreparedEncoding, Codec):
         compute = working_dtype(tensor.dtype)
         steps = (checked_float_input(tensor, self.codec_id).reshape(-1) / scale).reshape(rows, cols)
         factors = self._factors_of(steps)
-        streams: list[Any] = [factors.to_bytes(self.factor_coding)]
-        padding = padding_stream(streams, spec.nbytes, self.max_expansion)
-        if padding:
-            streams.append(padding)
         rebuilt = factors.product(compute, tensor.device).reshape(-1) * scale
-        return Encoded(streams=streams, params={}, reconstruction=rebuilt.reshape(spec.shape).to(tensor.dtype))
+        return Encoded(
+            streams=self._product_streams(factors, spec.nbytes), params={},
+            reconstruction=rebuilt.reshape(spec.shape).to(tensor.dtype),
+        )
 
     def decode(
         self,
@@ -641,9 +649,5 @@ class ScaledLowRankCodec(_ContextKey, _Factored, PreparedEncoding, Codec):
         compute = require_float_spec(spec, self.codec_id)
         rows, cols = self._shape(spec)
         scale = step_scale(self._context(spec, context).to("cpu"), compute)
-        if not 1 <= len(streams) <= 2:
-            raise FormatError(f"{self.codec_id}: expected the factor stream and at most a padding stream, got {len(streams)} streams")
-        if len(streams) == 2:
-            check_padding_stream(streams[1], self.codec_id)
-        factors = LowRankFactors.from_bytes(streams[0], rows, cols, self.rank, self.factor_coding)
+        factors = self._read_product(streams, rows, cols)
         return (factors.product(compute).reshape(-1) * scale).reshape(spec.shape).to(spec.dtype)
