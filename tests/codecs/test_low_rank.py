@@ -509,3 +509,15 @@ def test_square_roots_are_correctly_rounded_on_every_instruction_set() -> None:
     values = np.concatenate([bits.view(np.float32), edges])
     roots = rounded_sqrt(torch.from_numpy(values)).numpy()
     assert np.array_equal(roots.view(np.uint32), np.sqrt(values).view(np.uint32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_products_alone_round_trip_in_other_float_dtypes(dtype) -> None:
+    m, v = _adam_moments(9)
+    m, v = m.to(dtype), v.to(dtype)
+    for codec, context in ((LowRankCodec(2), None), (ScaledLowRankCodec(2), v)):
+        extra = {} if context is None else {"context": context}
+        encoded = codec.encode(m, None, **extra)
+        decoded = codec.decode(encoded.streams, encoded.params, TensorSpec.of(m), None, **extra)
+        assert decoded.dtype == dtype and same_bits(decoded, encoded.reconstruction)
+        assert bool(torch.isfinite(decoded).all())
