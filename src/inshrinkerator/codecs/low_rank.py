@@ -572,9 +572,19 @@ def rounded_sqrt(values: torch.Tensor) -> torch.Tensor:
     the same bits on every device and instruction set. (``torch.sqrt`` on the CPU may run
     through a vector math library that lands an ulp off, differently per instruction set.)
 
-    A first estimate in float64 is within an ulp of the answer; each float32 candidate is
-    then settled by comparing ``values`` with the square of the midpoint to its neighbour,
-    which float64 holds exactly (25 significant bits squared)."""
+    On the CPU, NumPy's square root (the processor's own instruction, correctly rounded as
+    IEEE 754 requires). Elsewhere, a first estimate in float64 is within an ulp of the
+    answer, and each float32 candidate is settled by comparing ``values`` with the square
+    of the midpoint to its neighbour, which float64 holds exactly (25 significant bits
+    squared)."""
+    if values.device.type == "cpu":
+        return torch.from_numpy(np.sqrt(values.detach().float().contiguous().numpy()))
+    return settled_sqrt(values)
+
+
+def settled_sqrt(values: torch.Tensor) -> torch.Tensor:
+    """:func:`rounded_sqrt` by torch operations alone, on any device: a float64 estimate,
+    each float32 candidate settled against the exact square of its midpoints."""
     near = values.double().sqrt().float()
     up = torch.nextafter(near, torch.full_like(near, math.inf))
     down = torch.nextafter(near, torch.zeros_like(near))

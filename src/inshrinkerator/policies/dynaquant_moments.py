@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
+import numpy as np
 import torch
 
 from ..codecs import Codec
@@ -485,14 +486,26 @@ def _product_within_pruning(flat: torch.Tensor, shape: tuple[int, int], keep: fl
     entropy, ``kept_bits`` per kept entry); else None."""
     kept = max(1, int(round(keep * flat.numel()))) if keep > 0 else 0
     energy = float(torch.dot(flat, flat))
-    largest = flat.abs().topk(kept).values if kept else flat[:0]
-    factors = low_rank_within(flat.reshape(shape), energy - float(torch.dot(largest, largest)))
+    factors = low_rank_within(flat.reshape(shape), energy - _largest_energy(flat, kept))
     if factors is None:
         return None
     mask_bits = _binary_entropy(kept / flat.numel()) * flat.numel()
     if _FACTOR_ENTRY_BITS * factors.rank * sum(shape) >= mask_bits + kept_bits * kept:
         return None
     return factors
+
+
+def _largest_energy(flat: torch.Tensor, count: int) -> float:
+    """The summed squares of the ``count`` entries of ``flat`` largest in magnitude (on the
+    CPU by NumPy's selection, ~10x faster than a top-k on millions of entries)."""
+    if count <= 0:
+        return 0.0
+    if flat.device.type == "cpu":
+        magnitudes = np.abs(flat.detach().float().contiguous().numpy())
+        largest = np.partition(magnitudes, magnitudes.size - count)[magnitudes.size - count:]
+        return float(np.dot(largest.astype(np.float64), largest.astype(np.float64)))
+    largest = flat.abs().topk(count).values.double()
+    return float(torch.dot(largest, largest))
 
 
 def _binary_entropy(p: float) -> float:
