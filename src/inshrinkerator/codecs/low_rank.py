@@ -61,6 +61,7 @@ from .xor_delta import reference_checksum
 
 __all__ = [
     "GroupedLowRankCodec",
+    "FACTOR_BITS",
     "MAX_RANK",
     "STEP_EPSILON",
     "LowRankCodec",
@@ -87,7 +88,7 @@ FACTOR_CODINGS = ("columns", "counts")
 #: What an entropy-coded factor entry costs, about, when ranks are weighed (set for one
 #: count table over both factors; coded column by column an entry takes ~3 bits, but the
 #: ranks, and so the reconstructions, were tuned with this figure).
-_FACTOR_BITS = 4.5
+FACTOR_BITS = 4.5
 #: The ranks :func:`choose_low_rank` weighs.
 CANDIDATE_RANKS = (1, 2, 4, 8, 16, 32)
 #: Extra directions drawn by the randomized range finder, and its power iterations.
@@ -240,7 +241,7 @@ def choose_low_rank(matrix: torch.Tensor, step: float, margin: float = 0.05) -> 
     count = rows * cols
     left_over = torch.tensor([max(total - float(energy[:r].sum()), 0.0) for r in [0, *ranks]], dtype=torch.float64)
     bits = count * _rounded_entropy_bits((left_over / count).sqrt() / step)
-    bits[1:] += torch.tensor([_FACTOR_BITS * r * (rows + cols) + _STREAM_BITS for r in ranks], dtype=torch.float64)
+    bits[1:] += torch.tensor([FACTOR_BITS * r * (rows + cols) + _STREAM_BITS for r in ranks], dtype=torch.float64)
     best = int(torch.argmin(bits))
     if best == 0:
         return None
@@ -271,7 +272,7 @@ def low_rank_within(matrix: torch.Tensor, allowed: float) -> Optional[LowRankFac
     total = float(torch.dot(work.reshape(-1), work.reshape(-1)))
     if not math.isfinite(total):
         return None
-    if total <= allowed or total == 0:
+    if total <= allowed:
         return None  # nothing a product could add: the caller stores it otherwise
     u, singular, vh = _directions(work, ranks[-1])
     energy = singular.double().pow(2)
@@ -299,6 +300,7 @@ class _Factored:
     codec_id: str
     rank: int
     factor_coding: str
+    max_expansion: int
     _factors: Optional[LowRankFactors] = None
 
     @classmethod
@@ -361,7 +363,7 @@ class _Factored:
         """The streams of a product stored alone: the factors, then zero padding where they
         are too small for ``max_expansion`` (:mod:`.expansion_padding`)."""
         streams: list[Any] = [factors.to_bytes(self.factor_coding)]
-        padding = padding_stream(streams, decoded_bytes, getattr(self, "max_expansion", PADDED_MAX_EXPANSION))
+        padding = padding_stream(streams, decoded_bytes, self.max_expansion)
         return [*streams, padding] if padding else streams
 
     def _read_product(self, streams: Sequence[Any], rows: int, cols: int) -> LowRankFactors:
@@ -635,11 +637,11 @@ class ScaledLowRankCodec(_ContextKey, _Factored, PreparedEncoding, Codec):
             return prepared
         spec = TensorSpec.of(tensor)
         rows, cols = self._encode_shape(spec)
+        compute = working_dtype(tensor.dtype)
         try:
-            scale = step_scale(self._context(spec, context).to(tensor.device), working_dtype(tensor.dtype))
+            scale = step_scale(self._context(spec, context).to(tensor.device), compute)
         except FormatError as exc:
             raise ValueError(str(exc)) from None
-        compute = working_dtype(tensor.dtype)
         steps = (checked_float_input(tensor, self.codec_id).reshape(-1) / scale).reshape(rows, cols)
         factors = self._factors_of(steps)
         rebuilt = factors.product(compute, tensor.device).reshape(-1) * scale

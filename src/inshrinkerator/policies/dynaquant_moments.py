@@ -24,6 +24,7 @@ from ..codecs.factored_moment import FactoredMomentCodec, factored_shape
 from ..codecs.log_lattice import lattice_range, lattice_values
 from ..codecs.log_sketch import MAGNITUDE_KEYS, SIGNED_KEYS, magnitude_keys, signed_keys
 from ..codecs.low_rank import (
+    FACTOR_BITS,
     MIN_SIDE,
     GroupedLowRankCodec,
     LowRankCodec,
@@ -58,10 +59,9 @@ MOMENT_ROLES = _FIRST_ORDER + _POSITIVE
 SECOND_MOMENT_PROTECT = 0.005
 #: The share of a whole first moment's estimated bits a low-rank product must save.
 FIRST_MOMENT_LOW_RANK_MARGIN = 0.15
-#: About what an entropy-coded factor entry of a momentum buffer's product costs, and what
-#: a pruned buffer's kept entry costs beyond the mask (its level id), in bits: a product
-#: is stored where its factors are estimated to take fewer bits than the pruned buffer.
-_FACTOR_ENTRY_BITS = 4.5
+#: About what a pruned momentum buffer's kept entry costs beyond the mask (its level id),
+#: in bits: a product is stored where its factors (``FACTOR_BITS`` an entry) are estimated
+#: to take fewer bits than the pruned buffer.
 _KEPT_ENTRY_BITS = 2.0
 #: The same for an Adam first moment's kept entry (``moment_bins`` = 8 levels).
 _KEPT_FIRST_MOMENT_BITS = 3.0
@@ -144,7 +144,13 @@ class MomentPlanning:
             )
         ]
         joint_masks = self._joint_masks(leaves, layout, items, first_keep, betas)
-        step_products = self._step_products(leaves, layout, items, first_keep, set(joint_masks)) if self.low_rank_steps else {}
+        # A pruned moment stored as a low-rank product instead is neither sketched nor fitted.
+        products: dict[int, Codec] = {}
+        if self.low_rank_steps:
+            products.update(self._step_products(leaves, layout, items, first_keep, set(joint_masks)))
+        if self.low_rank_momentum:
+            products.update(self._momentum_products(leaves, items, momentum_keep))
+        items = [item for item in items if item[0] not in products]
         sketched = parallel_map_sized(
             lambda item: self._sketch_moment(
                 leaves, references, layout, *item, first_keep, momentum_keep, joint_masks.get(item[0])
@@ -187,15 +193,8 @@ class MomentPlanning:
             codecs[index] = plan.finish(self._memory) if isinstance(plan, _MomentPlan) else plan
         if self.low_rank_first_moments and self.first_moment_error is not None and first_keep >= 1.0:
             self._factor_first_moments(leaves, codecs, [i for i in grouped if i not in chosen_later])
-        for index, (factors, second) in step_products.items():
-            codec = ScaledLowRankCodec(factors.rank).with_factors(factors)
-            codecs[index] = codec.against(format_key_path(leaves[second].path))
-        if self.low_rank_momentum and momentum_keep < 1.0:
-            buffers = [
-                index for index, role in items
-                if role is TensorRole.MOMENTUM_BUFFER and leaves[index].tensor.numel() >= self.min_numel
-            ]
-            self._factor_momentum_buffers(leaves, codecs, buffers, momentum_keep)
+        for index, codec in products.items():
+            codecs[index] = codec
         return choices
 
     def _step_products(
@@ -205,11 +204,10 @@ class MomentPlanning:
         items: Sequence[tuple[int, TensorRole]],
         keep: float,
         jointly_masked: set[int],
-    ) -> dict[int, tuple[Any, int]]:
+    ) -> dict[int, Codec]:
         """Adam first moments pruned at this checkpoint (``keep`` < 1) to be stored instead as
         a low-rank product of their steps ``m / sqrt(v)`` times ``sqrt(v)`` as stored
-        (``low_rank_scaled``, its second moment the context): first moment index -> (factors,
-        second moment index). Where a matrix's steps (both sides at least 16) have a product
+        (``low_rank_scaled``, its second moment the context), by leaf index. Where a matrix's steps (both sides at least 16) have a product
         of the least rank up to a quarter of the smaller side that loses no more of their
         squared size than keeping the largest ``keep`` of them would (what the pruning
         keeps), and its factors are estimated to take fewer bits than the pruned moment's
@@ -242,19 +240,29 @@ class MomentPlanning:
             return _product_within_pruning(steps, shape, keep, _KEPT_FIRST_MOMENT_BITS)
 
         chosen = parallel_map_sized(factors_of, pairs, [leaf_nbytes(leaves[index]) for index, _, _ in pairs])
-        return {index: (factors, second) for (index, second, _), factors in zip(pairs, chosen) if factors is not None}
+        return {
+            index: ScaledLowRankCodec(factors.rank).with_factors(factors).against(format_key_path(leaves[second].path))
+            for (index, second, _), factors in zip(pairs, chosen) if factors is not None
+        }
 
-    def _factor_momentum_buffers(
-        self, leaves: Sequence[TensorLeaf], codecs: list[Codec], indices: list[int], keep: float
-    ) -> None:
-        """Momentum buffers pruned to their ``keep`` largest entries at this checkpoint
-        (``indices``), stored instead as a low-rank product alone (``low_rank``) where one of
+    def _momentum_products(
+        self, leaves: Sequence[TensorLeaf], items: Sequence[tuple[int, TensorRole]], keep: float
+    ) -> dict[int, Codec]:
+        """Momentum buffers (of weights of at least ``min_numel``) pruned to their ``keep``
+        largest entries at this checkpoint, to be stored instead as a low-rank product alone
+        (``low_rank``), by leaf index: where one of
         rank up to a quarter of the matrix's smaller side loses no more of the buffer's
         squared size than the pruning would, and its factors are estimated to take fewer
         bits than the pruned buffer (its mask and kept entries). A buffer is an average of
         recent gradients, sums of outer products: on the digits SGD benchmark a rank-2 or
         rank-4 product holds more of it than its largest 5 % of entries
         (docs/dynaquant-measurements.md, *Momentum buffers as a low-rank product*)."""
+        if keep >= 1.0:
+            return {}
+        indices = [
+            index for index, role in items
+            if role is TensorRole.MOMENTUM_BUFFER and leaves[index].tensor.numel() >= self.min_numel
+        ]
 
         def factors_of(index: int) -> Any:
             tensor = leaves[index].tensor.detach()
@@ -263,9 +271,8 @@ class MomentPlanning:
                 return None
             return _product_within_pruning(tensor.reshape(-1).float(), shape, keep, _KEPT_ENTRY_BITS)
 
-        for index, factors in zip(indices, parallel_map_sized(factors_of, indices, [leaf_nbytes(leaves[i]) for i in indices])):
-            if factors is not None:
-                codecs[index] = LowRankCodec(factors.rank).with_factors(factors)
+        chosen = parallel_map_sized(factors_of, indices, [leaf_nbytes(leaves[i]) for i in indices])
+        return {index: LowRankCodec(factors.rank).with_factors(factors) for index, factors in zip(indices, chosen) if factors is not None}
 
     def _factor_first_moments(self, leaves: Sequence[TensorLeaf], codecs: list[Codec], indices: list[int]) -> None:
         """Adam's first moments kept whole and coded per octave of their second moment
@@ -490,7 +497,7 @@ def _product_within_pruning(flat: torch.Tensor, shape: tuple[int, int], keep: fl
     if factors is None:
         return None
     mask_bits = _binary_entropy(kept / flat.numel()) * flat.numel()
-    if _FACTOR_ENTRY_BITS * factors.rank * sum(shape) >= mask_bits + kept_bits * kept:
+    if FACTOR_BITS * factors.rank * sum(shape) >= mask_bits + kept_bits * kept:
         return None
     return factors
 
