@@ -9,7 +9,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ._numpy_paths import select, stable_argsort
+from ._numpy_paths import nonzero_positions, select, stable_argsort
 
 __all__ = ["GROUP_MIN_ELEMENTS", "ContextGroups", "OctaveGroups", "SignGroups", "octave_groups", "sign_groups"]
 
@@ -61,7 +61,7 @@ class OctaveGroups(ContextGroups):
             self._below = 0
         else:
             self._top = octave == top
-            others = torch.nonzero(~self._top).reshape(-1)
+            others = nonzero_positions(~self._top)
             self._sorted = others[stable_argsort(octave[others])]  # the others, in order
             self._below = sum(counts[:top])
 
@@ -69,7 +69,7 @@ class OctaveGroups(ContextGroups):
         """Every flat position, in group order."""
         if self._top is None:
             return self._sorted
-        top = torch.nonzero(self._top).reshape(-1)
+        top = nonzero_positions(self._top)
         return torch.cat([self._sorted[: self._below], top, self._sorted[self._below :]])
 
     def gather(self, values: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import CorruptCheckpointError
+from ._numpy_paths import nonzero_positions, select
 
 __all__ = ["MAX_RUN_CLASSES", "SHORT_RUNS", "RunTokens", "to_run_tokens", "from_run_tokens", "token_alphabet"]
 
@@ -117,22 +118,25 @@ def to_run_tokens(positions: torch.Tensor, values: torch.Tensor, count: int, lev
         gaps[1:nonzero] -= 1
         gaps[nonzero] = count - 1 - positions[-1]
     token_dtype = torch.uint8 if token_alphabet(levels) <= 256 else torch.int16 if token_alphabet(levels) < 1 << 15 else torch.int32
-    # Interleave: gap_0, value_0, gap_1, value_1, ..., gap_last (the trailing run).
+    # Interleave: gap_0, value_0, gap_1, value_1, ..., gap_last (the trailing run), the
+    # empty runs then dropped. In place where it can be: every large temporary costs
+    # more to allocate than to fill.
     slots = torch.empty(2 * nonzero + 1, dtype=dtype, device=device)
     run_slots = slots[0::2]
     torch.add(gaps, levels - 2, out=run_slots)  # short runs: levels - 1 + (r - 1)
-    long_positions = torch.nonzero(gaps > SHORT_RUNS).reshape(-1)
+    long_positions = nonzero_positions(gaps > SHORT_RUNS)
     runs = gaps.index_select(0, long_positions)
     run_classes = _classes(runs) if runs.numel() else runs
     run_slots.index_copy_(0, long_positions, run_classes + (levels - 1 + SHORT_RUNS - _SHORT_CLASS))
-    slots[1::2] = values.to(dtype) - 1
-    empty_runs = torch.nonzero(gaps == 0).reshape(-1)
-    if empty_runs.numel():
+    value_slots = slots[1::2]
+    value_slots.copy_(values)
+    value_slots -= 1
+    tokens = slots.to(token_dtype)
+    runs_present = gaps != 0
+    if not bool(runs_present.all()):
         keep = torch.ones(slots.numel(), dtype=torch.bool, device=device)
-        keep[2 * empty_runs] = False
-        tokens = slots[keep].to(token_dtype)
-    else:
-        tokens = slots.to(token_dtype)
+        keep[0::2] = runs_present
+        tokens = select(tokens, keep)
     extra_bits, total_bits = _extra_bits(runs, run_classes)
     return RunTokens(tokens, extra_bits, total_bits)
 

@@ -34,6 +34,7 @@ import torch
 from ..codecs import Codec
 from ..codecs._parallel import parallel_map_sized
 from ..codecs.base import Encoded
+from ..codecs.lossy_input import all_finite
 from ..codecs.prepared import PreparedEncoding
 from ..codecs.residual import ResidualCodec
 from ..codecs.unchanged import UnchangedCodec
@@ -183,7 +184,7 @@ class CarriedErrors:
             self._errors.pop(key, None)
             return
         error = (original.detach().float() - rebuilt.float()).to("cpu", CARRIED_DTYPE)
-        if bool(torch.isfinite(error).all()):
+        if all_finite(error):
             self._errors[key] = error
         else:
             self._errors.pop(key, None)

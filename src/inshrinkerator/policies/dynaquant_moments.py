@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ..codecs import Codec
+from ..codecs._numpy_paths import select
 from ..codecs._parallel import parallel_map_sized
 from ..codecs.base import Encoded
 from ..codecs.bucket_delta import EntropyStats
@@ -33,7 +34,7 @@ from ..codecs.low_rank import (
     matrix_shape,
     step_scale,
 )
-from ..codecs.nonuniform_quantizer import LOG, LevelTable, fit_centroids_batch
+from ..codecs.nonuniform_quantizer import FIRST_NON_FINITE_KEY, LOG, LevelTable, fit_centroids_batch
 from ..tree import TensorLeaf, format_key_path
 from .base import encoded_size, leaf_nbytes, usable_reference
 from .even_levels import change_plan, even_levels, spread
@@ -479,7 +480,7 @@ class MomentPlanning:
             return {"prune_below": prune_below}, None
         if prune_mask is None:
             prune_mask = _first_moment_prune_mask(moment, second, keep)
-        kept = torch.bincount(keys[~prune_mask], minlength=SIGNED_KEYS).cpu()
+        kept = torch.bincount(select(keys.reshape(-1), ~prune_mask.reshape(-1)), minlength=SIGNED_KEYS).cpu()
         # The kept entries get the same symmetric levels around an exact zero as a whole
         # moment: plain k-means rounded some small |m| (high score: small v) up to a far
         # larger level, and those restored steps blew up a digits run.
@@ -526,10 +527,13 @@ def _first_moment_prune_mask(moment: torch.Tensor, second: torch.Tensor, keep: f
     """The flat mask of the Adam first-moment entries stored as 0: all but the ``keep``
     fraction with the largest ``|m| / sqrt(v)`` (to the sketch's accuracy), and any whose
     score is not finite."""
-    score = (moment.detach().abs().float() / (second.detach().float().sqrt() + 1e-8)).reshape(-1)
+    # In place on fresh tensors: each large temporary costs more to allocate than to fill.
+    score = moment.detach().abs().float().reshape(-1)
+    score.div_(second.detach().float().sqrt().reshape(-1).add_(1e-8))
     score_keys = magnitude_keys(score)
     cut = quantile_key(torch.bincount(score_keys, minlength=MAGNITUDE_KEYS), 1.0 - keep)
-    return (score_keys < cut) | ~torch.isfinite(score)
+    # A score that is not finite (nan or inf) has its float32 exponent all ones.
+    return (score_keys < cut) | (score_keys >= FIRST_NON_FINITE_KEY)
 
 
 @dataclass

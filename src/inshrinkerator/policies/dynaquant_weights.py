@@ -22,6 +22,7 @@ from ..codecs.lossy_input import all_finite, working_dtype
 from ..codecs.low_rank import LowRankResidualCodec
 from ..codecs.nonuniform_quantizer import fit_centroids_batch
 from ..codecs.octave_groups import GROUP_MIN_ELEMENTS
+from ..codecs.passes import squared_differences
 from ..codecs.prepared import PreparedEncoding
 from ..codecs.unchanged import UnchangedCodec
 from ..tree import TensorLeaf, format_key_path
@@ -952,13 +953,13 @@ class _WeightPlan:
         """The proxy's relative error of weight ``index`` as ``encoded``: the larger of the
         plain and the Fisher-weighted one."""
         trial = self.trials[index]
-        difference = encoded.reconstruction.reshape(-1).float() - trial.flat.float()
-        plain = float(torch.dot(difference, difference))
+        rebuilt, original = encoded.reconstruction.reshape(-1).float(), trial.flat.float()
+        plain, weighted = squared_differences(rebuilt, original, trial.weights)
         if not math.isfinite(plain):  # non-finite weights are stored exactly (protected)
+            difference = rebuilt - original
             difference = torch.where(torch.isfinite(difference), difference, 0.0)
-            plain = float(torch.dot(difference, difference))
+            plain, weighted = squared_differences(difference, torch.zeros_like(difference), trial.weights)
         error = plain / max(trial.total_plain, 1e-300)
-        if trial.weights is not None:
-            weighted = float(torch.dot(difference * trial.weights, difference))
+        if weighted is not None:
             error = max(error, weighted / max(trial.total, 1e-300))
         return error

@@ -14,6 +14,7 @@ from ..codecs.log_sketch import MAGNITUDE_KEYS, SIGNED_KEYS, magnitude_keys, sig
 from ..codecs.lossy_input import working_dtype
 from ..codecs.low_rank import MIN_SIDE, LowRankFactors, choose_low_rank, matrix_shape
 from ..codecs.nonuniform_quantizer import key_centres
+from ..codecs.passes import key_counts, largest_magnitude, sum_of_squares
 from ..codecs.weighted_kmeans import distinct_float32_levels
 
 __all__ = [
@@ -188,7 +189,7 @@ def spread(values: torch.Tensor) -> tuple[float, float]:
     that :func:`even_levels` takes (0, 0 for no values)."""
     if values.numel() == 0:
         return 0.0, 0.0
-    return float(torch.linalg.vector_norm(values)) / values.numel() ** 0.5, float(values.abs().max())
+    return float(torch.linalg.vector_norm(values)) / values.numel() ** 0.5, largest_magnitude(values)
 
 
 def _flat_change(tensor: torch.Tensor, reference: Optional[torch.Tensor]) -> torch.Tensor:
@@ -202,7 +203,7 @@ def _flat_change(tensor: torch.Tensor, reference: Optional[torch.Tensor]) -> tor
 def change_energy(tensor: torch.Tensor, reference: Optional[torch.Tensor]) -> float:
     """The summed square of ``tensor - reference`` (of ``tensor`` with no reference), as
     :func:`change_plan` takes the change (inf or nan where it is not finite)."""
-    return float(torch.linalg.vector_norm(_flat_change(tensor, reference), dtype=torch.float64)) ** 2
+    return sum_of_squares(_flat_change(tensor, reference))
 
 
 def pooled_shares(energies: list[float], counts: list[int], error: float, limits: list[float]) -> list[float]:
@@ -265,4 +266,4 @@ def change_plan(
             # Exactly what LowRankResidualCodec leaves to its inner codec.
             change = change - factors.product(compute, change.device).reshape(-1)
             _, largest = spread(change)
-    return torch.bincount(signed_keys(change), minlength=SIGNED_KEYS).cpu(), rms, largest, factors
+    return key_counts(signed_keys, change, SIGNED_KEYS).cpu(), rms, largest, factors
