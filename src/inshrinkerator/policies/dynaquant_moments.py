@@ -406,7 +406,7 @@ class MomentPlanning:
         # second, and the levels (and the protected largest values) are those of the kept
         # entries. The zeros are the first moment's, read back from its reconstruction.
         first = layout.entry_moments(index)[TensorRole.FIRST_MOMENT]
-        kept = torch.bincount(keys[~joint_mask], minlength=SIGNED_KEYS).cpu()
+        kept = torch.bincount(select(keys.reshape(-1), ~joint_mask.reshape(-1)), minlength=SIGNED_KEYS).cpu()
         masked_type = DynaQuantMaskedDeltaCodec if reference is not None else DynaQuantMaskedCodec
         masked = masked_type.from_config({**codec.get_config(), "id": masked_type.codec_id})
         joint = _MomentPlan(key, masked, {"counts": kept, "init": init}, None, format_key_path(leaves[first].path))

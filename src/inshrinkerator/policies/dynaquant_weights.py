@@ -278,17 +278,30 @@ class WeightPlanning:
             if energy > 0 and math.isfinite(energy):
                 shares[index] = float(torch.dot(difference, difference)) / energy
         candidates = [i for i in candidates if shares.get(i, 0.0) > 0]
-        plans = dict(zip(candidates, parallel_map_sized(
-            lambda i: change_plan(leaves[i].tensor, None), candidates, [leaf_nbytes(leaves[i]) for i in candidates]
-        )))
+
+        def sketched(index: int) -> bool:
+            # Whether the search's sketch is of this very tensor (not of its change): its
+            # keys and their histogram are then not computed again.
+            trial, tensor = weights.trials[index], leaves[index].tensor
+            return trial.flat.data_ptr() == tensor.data_ptr() and trial.numel == tensor.numel()
+
+        def plan(index: int) -> tuple[torch.Tensor, float, float]:
+            if sketched(index):
+                tensor = leaves[index].tensor.detach()
+                return weights.trials[index].counts, *spread(tensor.reshape(-1).to(working_dtype(tensor.dtype)))
+            return change_plan(leaves[index].tensor, None)[:3]
+
+        plans = dict(zip(candidates, parallel_map_sized(plan, candidates, [leaf_nbytes(leaves[i]) for i in candidates])))
         stats = {index: EntropyStats() for index in candidates}
 
         def encode(index: int) -> tuple[DynaQuantCodec, Encoded]:
-            histogram, rms, largest, _ = plans[index]
+            histogram, rms, largest = plans[index]
             centroids, prune_below = step_levels(histogram, rms, largest, shares[index], False)
             codec = DynaQuantCodec(
                 bins=codecs[index].bins, prune=0.0, protect=0.0, sigma=self.sigma  # type: ignore[attr-defined]
             ).with_hints(counts=histogram, centroids=centroids, prune_below=prune_below, stats=stats[index])
+            if sketched(index):
+                codec = codec.rehinted(keys=weights.trials[index].keys)
             return codec, codec.prepare(leaves[index].tensor, None)
 
         # The levels' error as the proxy measures it (the larger of the plain and the
