@@ -192,10 +192,11 @@ def _byte_symbols(symbols: torch.Tensor) -> Any:
 
 
 def encode_id_symbols(
-    symbols: torch.Tensor, alphabet: int, small_stream: int = _SMALL_STREAM
+    symbols: torch.Tensor, alphabet: int, small_stream: int = _SMALL_STREAM, counts: Optional[torch.Tensor] = None
 ) -> tuple[int, bytes, Optional[float]]:
     """``(coder, data, bits)``: ``symbols`` (in ``[0, alphabet)``) coded by the cheaper adequate
-    coder, and their order-0 entropy in bits when it was computed (else None).
+    coder, and their order-0 entropy in bits when it was computed (else None). ``counts``:
+    their histogram (``alphabet`` bins), when the caller has it.
 
     When the alphabet fits a byte: the smaller of two Huffman candidates (symbol tuples of 4
     and 2 below :data:`_TUPLES_BELOW_BITS` bits per symbol, else pairs and single symbols),
@@ -205,7 +206,9 @@ def encode_id_symbols(
     count = symbols.numel()
     bits = None
     if alphabet <= 256 and count:
-        counts = torch.bincount(symbols.reshape(-1).cpu(), minlength=alphabet)
+        if counts is None or counts.numel() != alphabet:
+            counts = torch.bincount(symbols.reshape(-1).cpu(), minlength=alphabet)
+        counts = counts.cpu()
         bits = _entropy_bits(counts)
         bound = bits / 8
         best: Optional[tuple[int, bytes]] = None
@@ -319,6 +322,7 @@ def encode_bucket_ids(
     ids = ids.reshape(-1)
     count = ids.numel()
     changed_count = None if changed is None else changed.numel()
+    histogram = None
     if predicted is None:
         mode = PLAIN
         if run_symbol is not None and not 0 <= run_symbol < levels:
@@ -339,7 +343,7 @@ def encode_bucket_ids(
         changed_count = positions.numel()
     with reusing_scratch():  # the candidates' large temporaries share buffers
         return _encode_bucket_ids(
-            ids, levels, predicted, stats, positions, changed_count, mode, run_symbol, count, small_stream
+            ids, levels, predicted, stats, positions, changed_count, mode, run_symbol, count, small_stream, histogram
         )
 
 
@@ -354,8 +358,10 @@ def _encode_bucket_ids(
     run_symbol: int,
     count: int,
     small_stream: int,
+    histogram: Optional[torch.Tensor] = None,
 ) -> bytes:
     # positions: where ids differ from the prediction (or the run symbol); None: not yet found.
+    # histogram: the plain ids' counts, when known (the direct candidate's symbols).
     zeros = 1.0 - changed_count / count if count else 1.0
     candidates: list[tuple[int, torch.Tensor, bytes, int]] = []  # (layout flag, symbols, extra bits, extra count)
     order = dense = None
@@ -382,7 +388,8 @@ def _encode_bucket_ids(
     best: Optional[tuple[int, torch.Tensor, bytes, int, int, bytes, Optional[float]]] = None
     for layout, symbols, extra, extra_count in candidates:
         alphabet = levels if layout == _DIRECT else token_alphabet(levels)
-        coder, coded, bits = encode_id_symbols(symbols, alphabet, small_stream)
+        known = histogram if layout == _DIRECT and mode == PLAIN else None
+        coder, coded, bits = encode_id_symbols(symbols, alphabet, small_stream, known)
         if best is None or len(coded) + len(extra) < len(best[5]) + len(best[2]):
             best = (layout, symbols, extra, extra_count, coder, coded, bits)
     assert best is not None  # one of the two ranges always applies

@@ -45,8 +45,10 @@ ROW_CLASS_MIN_ELEMENTS = 4096
 ROW_CLASS_GAIN = 0.98
 ROW_CLASS_MIN_SAVING = 400
 _MAX_CLASSES = 255
-# Ids counted per block of rows (the keys' temporary): at most this many at once.
-_HISTOGRAM_BLOCK = 1 << 22
+# Ids counted per block of rows (the keys' temporary): at most this many at once. A
+# small temporary is reused by the allocator; one of 16 MB is mapped afresh each time
+# (8M ids: 16 ms a matrix in blocks of 256K, 38 ms in blocks of 4M, one thread).
+_HISTOGRAM_BLOCK = 1 << 18
 # Estimated cost of one class's stream over the order-0 size of its ids (header, code
 # table, frame), and per symbol it uses: a least-squares fit over the class streams of
 # three yardstick runs gave ~80 bytes a stream and little per symbol. With 64 and 0.5
