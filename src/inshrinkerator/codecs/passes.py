@@ -47,12 +47,13 @@ def squared_differences(
     return plain, weighted
 
 
-def sum_of_squares(values: torch.Tensor) -> float:
-    """The summed squares of flat ``values``, accumulated in float64 (inf or nan where
-    they are not finite)."""
+def sum_of_squares(values: torch.Tensor, reference: Optional[torch.Tensor] = None) -> float:
+    """The summed squares of flat ``values`` (of ``values - reference``, both flat and of
+    one dtype), accumulated in float64 (inf or nan where they are not finite)."""
     total = 0.0
     for part in slices(values.numel()):
-        total += float(torch.linalg.vector_norm(values[part], dtype=torch.float64)) ** 2
+        piece = values[part] if reference is None else values[part] - reference[part]
+        total += float(torch.linalg.vector_norm(piece, dtype=torch.float64)) ** 2
     return total
 
 

@@ -34,6 +34,7 @@ from ..codecs.low_rank import (
     matrix_shape,
     step_scale,
 )
+from ..codecs.passes import key_counts
 from ..codecs.nonuniform_quantizer import FIRST_NON_FINITE_KEY, LOG, LevelTable, fit_centroids_batch
 from ..tree import TensorLeaf, format_key_path
 from .base import encoded_size, leaf_nbytes, usable_reference
@@ -346,8 +347,8 @@ class MomentPlanning:
         key = format_key_path(leaves[index].path)
         if role is TensorRole.SECOND_MOMENT and self._factored(tensor):
             return FactoredMomentCodec()
-        keys = signed_keys(tensor)
-        counts = torch.bincount(keys, minlength=SIGNED_KEYS).cpu()
+        flat = tensor.reshape(-1)
+        counts = key_counts(signed_keys, flat, SIGNED_KEYS).cpu()
         # The moment of a bias or a norm layer's scale (a weight under ``min_numel``) costs
         # mostly its record and level table: twice the levels (an Adam first moment's: fine
         # evenly spaced ones, SMALL_MOMENT_ERROR) and no pruning add few bytes.
@@ -375,7 +376,7 @@ class MomentPlanning:
                 centroids, prune_below = even_levels(*spread(tensor.reshape(-1).float()), error)
                 extra, zero_levels = {"centroids": centroids, "prune_below": prune_below}, None
             else:
-                extra, zero_levels = self._first_moment_hints(tensor, keys, counts, role, partner, keep, bins, joint_mask)
+                extra, zero_levels = self._first_moment_hints(tensor, counts, role, partner, keep, bins, joint_mask)
         else:
             reference = usable_reference(tensor, references[index])
             codec_type = DynaQuantDeltaCodec if reference is not None else DynaQuantCodec
@@ -406,7 +407,7 @@ class MomentPlanning:
         # second, and the levels (and the protected largest values) are those of the kept
         # entries. The zeros are the first moment's, read back from its reconstruction.
         first = layout.entry_moments(index)[TensorRole.FIRST_MOMENT]
-        kept = torch.bincount(select(keys.reshape(-1), ~joint_mask.reshape(-1)), minlength=SIGNED_KEYS).cpu()
+        kept = _kept_counts(flat, joint_mask)
         masked_type = DynaQuantMaskedDeltaCodec if reference is not None else DynaQuantMaskedCodec
         masked = masked_type.from_config({**codec.get_config(), "id": masked_type.codec_id})
         joint = _MomentPlan(key, masked, {"counts": kept, "init": init}, None, format_key_path(leaves[first].path))
@@ -456,7 +457,6 @@ class MomentPlanning:
     def _first_moment_hints(
         self,
         moment: torch.Tensor,
-        keys: torch.Tensor,
         counts: torch.Tensor,
         role: TensorRole,
         second: Optional[torch.Tensor],
@@ -480,7 +480,7 @@ class MomentPlanning:
             return {"prune_below": prune_below}, None
         if prune_mask is None:
             prune_mask = _first_moment_prune_mask(moment, second, keep)
-        kept = torch.bincount(select(keys.reshape(-1), ~prune_mask.reshape(-1)), minlength=SIGNED_KEYS).cpu()
+        kept = _kept_counts(moment.reshape(-1), prune_mask)
         # The kept entries get the same symmetric levels around an exact zero as a whole
         # moment: plain k-means rounded some small |m| (high score: small v) up to a far
         # larger level, and those restored steps blew up a digits run.
@@ -501,6 +501,12 @@ def _product_within_pruning(flat: torch.Tensor, shape: tuple[int, int], keep: fl
     if FACTOR_BITS * factors.rank * sum(shape) >= mask_bits + kept_bits * kept:
         return None
     return factors
+
+
+def _kept_counts(flat: torch.Tensor, pruned: torch.Tensor) -> torch.Tensor:
+    """The signed-key histogram (on the CPU) of the entries of ``flat`` that ``pruned``
+    (a mask) does not prune."""
+    return torch.bincount(signed_keys(select(flat, ~pruned.reshape(-1))), minlength=SIGNED_KEYS).cpu()
 
 
 def _largest_energy(flat: torch.Tensor, count: int) -> float:

@@ -203,7 +203,12 @@ def _flat_change(tensor: torch.Tensor, reference: Optional[torch.Tensor]) -> tor
 def change_energy(tensor: torch.Tensor, reference: Optional[torch.Tensor]) -> float:
     """The summed square of ``tensor - reference`` (of ``tensor`` with no reference), as
     :func:`change_plan` takes the change (inf or nan where it is not finite)."""
-    return sum_of_squares(_flat_change(tensor, reference))
+    dtype = working_dtype(tensor.dtype)
+    flat = tensor.detach().reshape(-1).to(dtype)
+    if reference is None:
+        return sum_of_squares(flat)
+    # The change a slice at a time: it is never held whole.
+    return sum_of_squares(flat, reference.detach().to(tensor.device).reshape(-1).to(dtype))
 
 
 def pooled_shares(energies: list[float], counts: list[int], error: float, limits: list[float]) -> list[float]:
