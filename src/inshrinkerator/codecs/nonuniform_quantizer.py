@@ -35,6 +35,7 @@ import torch
 from ._numpy_paths import positions_of
 from .bucket_delta import id_dtype
 from .log_sketch import MAGNITUDE_KEYS, SIGNED_KEYS, LogHistogram, signed_key_centres
+from .passes import SLICE_ELEMENTS, slices
 from .scratch import scratch
 from .weighted_kmeans import KMeansProblem, distinct_float32_levels, histogram_sample_weights, weighted_kmeans_1d_batch
 
@@ -381,9 +382,16 @@ def reconstruct(
     """The dequantized tensor: level values by id, protected elements from ``protected_values``."""
     ids = ids.reshape(-1)
     values = torch.cat([table.values, torch.zeros(1, dtype=torch.float32)]).to(device=ids.device, dtype=dtype)
-    if ids.dtype not in (torch.int32, torch.int64):
-        ids = scratch("ids", ids.numel(), torch.int32, ids.device).copy_(ids)
-    out = values.index_select(0, ids)
+    if ids.dtype in (torch.int32, torch.int64):
+        out = values.index_select(0, ids)
+    elif ids.numel() <= SLICE_ELEMENTS:
+        out = values.index_select(0, scratch("ids", ids.numel(), torch.int32, ids.device).copy_(ids))
+    else:
+        # Narrow ids widened a slice at a time: a whole int32 copy, a fresh block unless
+        # a scratch buffer is open, took 16 ms for 8M ids, as long as the lookup itself.
+        out = torch.empty(ids.numel(), dtype=dtype, device=ids.device)
+        for part in slices(ids.numel()):
+            torch.index_select(values, 0, ids[part].to(torch.int32), out=out[part])
     if protected_values.numel():
         if protected_positions is None:
             protected_positions = positions_of(ids, table.protect_id)
