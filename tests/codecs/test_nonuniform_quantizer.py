@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inshrinkerator.codecs.log_sketch import MAGNITUDE_KEYS, SIGNED_KEYS, magnitude_keys, signed_keys
+from inshrinkerator.codecs.log_sketch import (
+    MAGNITUDE_KEYS,
+    SIGNED_KEYS,
+    magnitude_keys,
+    signed_keys,
+)
 from inshrinkerator.codecs.nonuniform_quantizer import (
     FIRST_NON_FINITE_KEY,
     LINEAR,
@@ -19,6 +24,7 @@ from inshrinkerator.codecs.nonuniform_quantizer import (
     reconstruct,
     stick_to_predicted,
 )
+from inshrinkerator.codecs.passes import SLICE_ELEMENTS
 
 
 def _weights(count: int = 20_000, seed: int = 0) -> torch.Tensor:
@@ -78,6 +84,20 @@ def test_non_finite_values_get_the_protect_id_and_come_back() -> None:
     assert ids[:3].tolist() == [table.protect_id] * 3
     decoded = reconstruct(ids, table, values[:3].to(torch.bfloat16), torch.float32, (5,))
     assert torch.isnan(decoded[0]) and decoded[1] == float("inf") and decoded[2] == -float("inf")
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.int32])
+def test_reconstruct_of_many_narrow_ids_is_the_table_lookup(dtype: torch.dtype) -> None:
+    # Over one slice of ids, narrow ones are widened a slice at a time into the output.
+    count = 2 * SLICE_ELEMENTS + 17
+    table = make_level_table(torch.tensor([-2.0, -0.5, 0.25, 1.0, 3.0]))
+    ids = torch.randint(0, table.protect_id, (count,), generator=torch.Generator().manual_seed(3)).to(dtype)
+    ids[-5:] = table.protect_id
+    protected = torch.tensor([7.0, -7.0, 9.0, 11.0, 13.0], dtype=torch.bfloat16)
+    decoded = reconstruct(ids, table, protected, torch.float32, (count,))
+    expected = torch.cat([table.values, torch.zeros(1)])[ids.long()]
+    expected[-5:] = protected.float()
+    assert decoded.dtype == torch.float32 and torch.equal(decoded, expected)
 
 
 def test_stickiness_keeps_predicted_levels_within_its_margin() -> None:
