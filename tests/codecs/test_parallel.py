@@ -187,6 +187,35 @@ def test_codec_work_runs_torch_ops_on_its_own_thread_and_leaves_other_threads_al
         torch.set_num_threads(outer)
 
 
+def _mkl_threads() -> "int | None":
+    # MKL's thread count for the calling thread, as torch reports it (None without MKL).
+    import re
+
+    import torch
+
+    found = re.search(r"mkl_get_max_threads\(\) : (\d+)", torch.__config__.parallel_info())
+    return int(found.group(1)) if found else None
+
+
+@pytest.mark.skipif(not _OPENMP or _mkl_threads() is None, reason="no OpenMP intra-op threads or no MKL here")
+def test_codec_work_keeps_mkl_on_its_own_thread_after_a_user_sets_the_thread_count():
+    # torch.set_num_threads gives MKL a per-thread count of its own, which MKL then takes
+    # over OpenMP's: codec threads must set it too, or their matrix products use every core.
+    import torch
+
+    outer = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with _parallel.single_threaded_ops():
+            assert _mkl_threads() == 1
+        assert _mkl_threads() == 2
+        threads = parallel_map(lambda _: (time.sleep(0.01), _mkl_threads())[1], range(8))
+        assert set(threads) == {1}
+        assert _mkl_threads() == 2 and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(outer)
+
+
 def test_single_threaded_ops_change_nothing_where_the_setting_is_not_per_thread(monkeypatch):
     import torch
 

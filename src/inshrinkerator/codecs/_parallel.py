@@ -17,7 +17,10 @@ pool workers always, a caller while it shares a batch, and a whole save or decod
 the pool already keeps the cores busy, and intra-op threads on top of it only contend for
 them. With torch's default of two threads on two cores, MiniLM's synchronous saves ran at
 119-150 MB/s this way against 103-110 MB/s before, and its 10-deep chain restored in
-0.80-0.82 s against 0.92-0.97 s; the same files.
+0.80-0.82 s against 0.92-0.97 s; the same files. The setting is made by
+``torch.set_num_threads``, which sets MKL's per-thread count too: once a program has
+called it, MKL no longer follows OpenMP's (a codec thread's matrix products ran on both
+cores beside the pool's other thread).
 """
 
 from __future__ import annotations
@@ -126,20 +129,28 @@ def single_threaded_ops() -> Iterator[None]:
     if set_threads is None:
         yield
         return
-    previous = _one_thread(set_threads)
+    # torch's own setter: besides OpenMP's count it sets MKL's, per thread as well. MKL
+    # follows OpenMP's only until someone calls torch.set_num_threads (a training script
+    # often does), which also turns MKL's dynamic adjustment off for good: from then on a
+    # codec thread's matrix products and factorizations ran on every core, on top of the
+    # pool (a 2.06 GiB model + Adam delta save took 26-32 s instead of 17 s).
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
         yield
     finally:
-        set_threads(previous)
+        torch.set_num_threads(previous)
 
 
 def _pool_thread_setup(background: bool) -> None:
-    # A pool thread only ever runs batches: its torch operations stay on itself.
     if background:
         lower_priority()
-    set_threads = _omp()
-    if set_threads is not None:
-        _one_thread(set_threads)
+
+
+def _work_alone(batch: "_Batch[Any, Any]") -> None:
+    # A pool thread's share of a batch: its torch operations stay on itself.
+    with single_threaded_ops():
+        batch.work()
 
 
 def in_background() -> bool:
@@ -212,7 +223,7 @@ def parallel_map(fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
     if helpers > 0:
         pool = _shared_pool(in_background())
         for _ in range(helpers):
-            pool.submit(batch.work)
+            pool.submit(_work_alone, batch)
         with single_threaded_ops():
             batch.work()
     else:
