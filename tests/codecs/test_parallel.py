@@ -161,17 +161,20 @@ def test_codec_work_runs_torch_ops_on_its_own_thread_and_leaves_other_threads_al
         torch.set_num_threads(2)
     try:
         seen_elsewhere: list[int] = []
+        ready = threading.Event()
         inside = threading.Event()
         release = threading.Event()
 
         def other_thread() -> None:
-            torch.get_num_threads()
+            torch.get_num_threads()  # torch sets a thread up at its first call
+            ready.set()
             inside.wait(5)
             seen_elsewhere.append(torch.get_num_threads())  # while the block below is open
             release.set()
 
         watcher = threading.Thread(target=other_thread)
         watcher.start()
+        assert ready.wait(5)
         with _parallel.single_threaded_ops():
             assert torch.get_num_threads() == 1
             inside.set()

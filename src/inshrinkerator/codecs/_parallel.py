@@ -124,7 +124,11 @@ def _follows(set_threads: Any) -> bool:
 @contextmanager
 def single_threaded_ops() -> Iterator[None]:
     """Torch operations on the calling thread run without intra-op threads inside the block
-    (OpenMP's setting is the calling thread's own; elsewhere nothing changes)."""
+    (OpenMP's setting is the calling thread's own; elsewhere nothing changes).
+
+    Threads that have made a torch call keep their own setting; torch's default for a
+    thread that makes its first one while such a block is open is one thread (the setter
+    also stores the default), restored when the block closes."""
     set_threads = _omp()
     if set_threads is None:
         yield
