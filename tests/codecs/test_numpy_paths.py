@@ -33,7 +33,7 @@ def test_stable_argsort_of_a_strided_view() -> None:
     assert torch.equal(stable_argsort(view), torch.argsort(view.contiguous(), stable=True))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.uint8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.uint8, torch.bfloat16, torch.float16])
 def test_select_matches_boolean_indexing(dtype: torch.dtype) -> None:
     generator = torch.Generator().manual_seed(2)
     values = (torch.randn(5000, generator=generator) * 50).to(dtype)

@@ -90,6 +90,29 @@ def test_first_moments_keep_the_steadiest_entries(tmp_path) -> None:
     assert 0.25 < float((buffer != 0).float().mean()) < 0.35
 
 
+@pytest.mark.parametrize("joint", [False, True])
+def test_bfloat16_moments_are_pruned_and_masked_too(tmp_path, joint) -> None:
+    # The kept entries' histograms are made from the kept values themselves: a dtype NumPy
+    # lacks must take the same path as float32.
+    _, (state,) = trained_states(1, optimizer="adam95" if joint else "adam")
+    for entry in state["optimizer"]["state"].values():
+        for name in ("exp_avg", "exp_avg_sq"):
+            entry[name] = entry[name].to(torch.bfloat16)
+    policy = DynaQuant(first_moment_keep=0.1, first_moment_keep_after=0, joint_moment_mask=joint, low_rank_steps=False)
+    ink.save(state, tmp_path / "m.ink", policy=policy)
+    loaded = ink.load(tmp_path / "m.ink")["optimizer"]["state"]
+    large = [key for key, entry in state["optimizer"]["state"].items() if entry["exp_avg"].numel() >= 1024]
+    assert large
+    for key in large:
+        m, restored = state["optimizer"]["state"][key]["exp_avg"], loaded[key]["exp_avg"]
+        assert restored.dtype == torch.bfloat16
+        kept = float((restored != 0).float().mean())
+        assert 0.03 < kept < 0.13
+        assert bool((restored.float() * m.float() >= 0).all())
+        if joint:  # the second moment takes the first moment's zeros
+            assert bool((loaded[key]["exp_avg_sq"][restored == 0] == 0).all())
+
+
 @pytest.mark.parametrize("bins, keep", [(4, 1.0), (16, 1.0), (4, 0.15)])
 def test_first_moments_are_never_rounded_to_more_than_twice_their_size(tmp_path, bins, keep) -> None:
     # 0 is one of the levels: a tiny entry becomes 0 rather than the smallest level, so a
