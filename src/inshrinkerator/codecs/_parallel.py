@@ -137,7 +137,7 @@ def single_threaded_ops() -> Iterator[None]:
     # follows OpenMP's only until someone calls torch.set_num_threads (a training script
     # often does), which also turns MKL's dynamic adjustment off for good: from then on a
     # codec thread's matrix products and factorizations ran on every core, on top of the
-    # pool (a 2.06 GiB model + Adam delta save took 26-32 s instead of 17 s).
+    # pool (a 2.06 GiB model + Adam delta save took 26-32 s instead of 17-22 s).
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
