@@ -38,6 +38,7 @@ def test_squared_differences_match_the_whole_expression_on_one_slice() -> None:
     assert plain == float(torch.dot(difference, difference))
     assert weighted == float(torch.dot(difference * weights, difference))
     assert squared_differences(values, reference) == (plain, None)
+    assert squared_differences(difference, None, weights) == (plain, weighted)
 
 
 def test_squared_differences_sum_the_slices_of_a_large_tensor() -> None:

@@ -359,6 +359,19 @@ class _Factored:
         left = inner.reconstruction if inner.reconstruction is not None else leftover
         return factors, inner, product + left.to(compute).reshape(matrix.shape)
 
+    def _encode_product_plus(
+        self, matrix: torch.Tensor, spec: TensorSpec, dtype: torch.dtype, encode_inner: Callable[[torch.Tensor], Encoded]
+    ) -> Encoded:
+        """``matrix`` (a tensor of ``spec``, as ``rows x cols`` in its working dtype) stored
+        as its product and ``encode_inner``'s encoding of what the product leaves: the
+        factor stream, then the inner streams; the reconstruction in ``dtype``."""
+        factors, inner, rebuilt = self._encode_factored(matrix, spec.shape, working_dtype(dtype), encode_inner)
+        return Encoded(
+            streams=[factors.to_bytes(self.factor_coding), *inner.streams],
+            params={"inner": inner.params},
+            reconstruction=rebuilt.reshape(spec.shape).to(dtype),
+        )
+
     def _product_streams(self, factors: LowRankFactors, decoded_bytes: int) -> list[Any]:
         """The streams of a product stored alone: the factors, then zero padding where they
         are too small for ``max_expansion`` (:mod:`.expansion_padding`)."""
@@ -479,15 +492,9 @@ class GroupedLowRankCodec(_ContextKey, _Factored, PreparedEncoding, Codec):
         spec = TensorSpec.of(tensor)
         rows, cols = self._encode_shape(spec)
         context = self._context(spec, context)
-        compute = working_dtype(tensor.dtype)
         matrix = checked_float_input(tensor, self.codec_id).reshape(rows, cols)
-        factors, inner, rebuilt = self._encode_factored(
-            matrix, spec.shape, compute, lambda leftover: self._inner.encode(leftover, None, context=context)
-        )
-        return Encoded(
-            streams=[factors.to_bytes(self.factor_coding), *inner.streams],
-            params={"inner": inner.params},
-            reconstruction=rebuilt.reshape(spec.shape).to(tensor.dtype),
+        return self._encode_product_plus(
+            matrix, spec, tensor.dtype, lambda leftover: self._inner.encode(leftover, None, context=context)
         )
 
     def decode(
@@ -546,12 +553,7 @@ class LowRankCodec(_Factored, PreparedEncoding, Codec):
                 streams=self._product_streams(factors, spec.nbytes), params={},
                 reconstruction=rebuilt.reshape(spec.shape).to(tensor.dtype),
             )
-        factors, inner, rebuilt = self._encode_factored(matrix, spec.shape, compute, self._inner.encode)
-        return Encoded(
-            streams=[factors.to_bytes(self.factor_coding), *inner.streams],
-            params={"inner": inner.params},
-            reconstruction=rebuilt.reshape(spec.shape).to(tensor.dtype),
-        )
+        return self._encode_product_plus(matrix, spec, tensor.dtype, self._inner.encode)
 
     def decode(
         self,

@@ -33,14 +33,15 @@ def slices(count: int) -> Iterator[slice]:
 
 
 def squared_differences(
-    values: torch.Tensor, reference: torch.Tensor, weights: Optional[torch.Tensor] = None
+    values: torch.Tensor, reference: Optional[torch.Tensor], weights: Optional[torch.Tensor] = None
 ) -> tuple[float, Optional[float]]:
-    """``(sum(d * d), sum((d * w) * d))`` of ``d = values - reference`` (flat, one dtype)
-    in that dtype's dot products; the second is None without ``weights``."""
+    """``(sum(d * d), sum((d * w) * d))`` of ``d = values - reference`` (``values`` without
+    a reference; flat, one dtype) in that dtype's dot products; the second is None without
+    ``weights``."""
     plain = 0.0
     weighted = None if weights is None else 0.0
     for part in slices(values.numel()):
-        difference = values[part] - reference[part]
+        difference = values[part] if reference is None else values[part] - reference[part]
         plain += float(torch.dot(difference, difference))
         if weights is not None:
             weighted += float(torch.dot(difference * weights[part], difference))  # type: ignore[operator]

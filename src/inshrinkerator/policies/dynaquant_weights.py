@@ -971,7 +971,7 @@ class _WeightPlan:
         if not math.isfinite(plain):  # non-finite weights are stored exactly (protected)
             difference = rebuilt - original
             difference = torch.where(torch.isfinite(difference), difference, 0.0)
-            plain, weighted = squared_differences(difference, torch.zeros_like(difference), trial.weights)
+            plain, weighted = squared_differences(difference, None, trial.weights)
         error = plain / max(trial.total_plain, 1e-300)
         if weighted is not None:
             error = max(error, weighted / max(trial.total, 1e-300))
