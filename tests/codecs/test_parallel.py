@@ -204,13 +204,19 @@ def _mkl_threads() -> "int | None":
 def test_codec_work_keeps_mkl_on_its_own_thread_after_a_user_sets_the_thread_count():
     # torch.set_num_threads gives MKL a per-thread count of its own, which MKL then takes
     # over OpenMP's: codec threads must set it too, or their matrix products use every core.
+    # A thread set up by torch while a block is open keeps torch's default.
     import torch
 
     outer = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
+        fresh: list[int] = []
         with _parallel.single_threaded_ops():
             assert _mkl_threads() == 1
+            newcomer = threading.Thread(target=lambda: fresh.append(torch.get_num_threads()))
+            newcomer.start()
+            newcomer.join()
+        assert fresh == [2]
         assert _mkl_threads() == 2
         threads = parallel_map(lambda _: (time.sleep(0.01), _mkl_threads())[1], range(8))
         assert set(threads) == {1}

@@ -17,10 +17,9 @@ pool workers always, a caller while it shares a batch, and a whole save or decod
 the pool already keeps the cores busy, and intra-op threads on top of it only contend for
 them. With torch's default of two threads on two cores, MiniLM's synchronous saves ran at
 119-150 MB/s this way against 103-110 MB/s before, and its 10-deep chain restored in
-0.80-0.82 s against 0.92-0.97 s; the same files. The setting is made by
-``torch.set_num_threads``, which sets MKL's per-thread count too: once a program has
-called it, MKL no longer follows OpenMP's (a codec thread's matrix products ran on both
-cores beside the pool's other thread).
+0.80-0.82 s against 0.92-0.97 s; the same files. MKL's per-thread count is set too:
+once a program has called ``torch.set_num_threads``, MKL no longer follows OpenMP's (a
+codec thread's matrix products ran on both cores beside the pool's other thread).
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Generic, Optional, TypeVar
 
 import torch
@@ -80,6 +80,8 @@ def lower_priority() -> None:
 
 _omp_set_threads: Any = None
 _omp_resolved = False
+_mkl_set_local: Any = None
+_mkl_resolved = False
 
 
 def _omp() -> Any:
@@ -99,11 +101,30 @@ def _omp() -> Any:
     return _omp_set_threads
 
 
-def _one_thread(set_threads: Any) -> int:
-    """Set the calling thread's torch operations to one thread; its setting before."""
+def _mkl() -> Any:
+    """``mkl_set_num_threads_local`` of the MKL inside torch, or None where torch has none
+    (or does not export it). It sets the calling thread's MKL count and returns the one
+    before (0: none of its own)."""
+    global _mkl_set_local, _mkl_resolved
+    if not _mkl_resolved:
+        try:
+            if torch.backends.mkl.is_available():
+                library = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
+                _mkl_set_local = ctypes.CDLL(str(library)).MKL_Set_Num_Threads_Local
+                _mkl_set_local.restype = ctypes.c_int
+        except (AttributeError, OSError):  # another platform's library, or no such symbol
+            _mkl_set_local = None
+        _mkl_resolved = True
+    return _mkl_set_local
+
+
+def _one_thread(set_threads: Any) -> tuple[int, Optional[int]]:
+    """Set the calling thread's torch operations to one thread: OpenMP's count and, where
+    torch holds MKL, MKL's own. Returns both settings before (MKL's: None without it)."""
     previous = torch.get_num_threads()  # also torch's set-up of the thread, which would undo ours later
     set_threads(1)
-    return previous
+    set_mkl = _mkl()
+    return previous, set_mkl(1) if set_mkl is not None else None
 
 
 def _follows(set_threads: Any) -> bool:
@@ -124,37 +145,33 @@ def _follows(set_threads: Any) -> bool:
 @contextmanager
 def single_threaded_ops() -> Iterator[None]:
     """Torch operations on the calling thread run without intra-op threads inside the block
-    (OpenMP's setting is the calling thread's own; elsewhere nothing changes).
+    (OpenMP's and MKL's settings are the calling thread's own; elsewhere nothing changes).
 
-    Threads that have made a torch call keep their own setting; torch's default for a
-    thread that makes its first one while such a block is open is one thread (the setter
-    also stores the default), restored when the block closes."""
+    MKL follows OpenMP's count only until a program calls ``torch.set_num_threads`` (a
+    training script often does), which gives the calling thread an MKL count of its own and
+    turns MKL's dynamic adjustment off: from then on, with OpenMP's count alone set here, a
+    codec thread's matrix products and factorizations ran on every core beside the pool
+    (a 2.06 GiB model + Adam delta save took 26-32 s instead of 17-22 s)."""
     set_threads = _omp()
     if set_threads is None:
         yield
         return
-    # torch's own setter: besides OpenMP's count it sets MKL's, per thread as well. MKL
-    # follows OpenMP's only until someone calls torch.set_num_threads (a training script
-    # often does), which also turns MKL's dynamic adjustment off for good: from then on a
-    # codec thread's matrix products and factorizations ran on every core, on top of the
-    # pool (a 2.06 GiB model + Adam delta save took 26-32 s instead of 17-22 s).
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
+    previous, previous_mkl = _one_thread(set_threads)
     try:
         yield
     finally:
-        torch.set_num_threads(previous)
+        set_threads(previous)
+        if previous_mkl is not None:
+            _mkl()(previous_mkl)
 
 
 def _pool_thread_setup(background: bool) -> None:
+    # A pool thread only ever runs batches: its torch operations stay on itself.
     if background:
         lower_priority()
-
-
-def _work_alone(batch: "_Batch[Any, Any]") -> None:
-    # A pool thread's share of a batch: its torch operations stay on itself.
-    with single_threaded_ops():
-        batch.work()
+    set_threads = _omp()
+    if set_threads is not None:
+        _one_thread(set_threads)
 
 
 def in_background() -> bool:
@@ -227,7 +244,7 @@ def parallel_map(fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
     if helpers > 0:
         pool = _shared_pool(in_background())
         for _ in range(helpers):
-            pool.submit(_work_alone, batch)
+            pool.submit(batch.work)
         with single_threaded_ops():
             batch.work()
     else:
