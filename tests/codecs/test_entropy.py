@@ -20,6 +20,7 @@ from inshrinkerator.codecs.entropy import (
     encode_symbols,
     encoded_size_floor,
     expand_frame,
+    histogram_bits,
     huffman_frame,
     lz_frame,
     order0_entropy_bits,
@@ -88,6 +89,19 @@ def test_order0_entropy_matches_its_definition():
     symbols = torch.tensor([0, 0, 1, 2])
     assert order0_entropy_bits(symbols, 3) == pytest.approx(-(2 * math.log2(0.5) + 2 * math.log2(0.25)))
     assert order0_entropy_bits(torch.tensor([], dtype=torch.int64), 3) == 0.0
+
+
+def test_histogram_bits_is_the_order0_entropy_of_its_counts():
+    generator = torch.Generator().manual_seed(5)
+    for alphabet in (1, 2, 17, 256, 8193):
+        counts = torch.randint(0, 50, (alphabet,), generator=generator)
+        counts[0] = 0  # zero counts are skipped
+        kept = counts[counts > 0].double()
+        expected = float(-(kept * torch.log2(kept / kept.sum())).sum()) if kept.numel() else 0.0
+        assert histogram_bits(counts) == pytest.approx(expected, rel=1e-12, abs=1e-12)
+        assert histogram_bits(counts.reshape(1, -1).double()) == pytest.approx(expected, rel=1e-12, abs=1e-12)
+    assert histogram_bits(torch.tensor([0, 7, 0])) == 0.0
+    assert histogram_bits(torch.tensor([1, 1, 2])) == pytest.approx(6.0)
 
 
 def test_bad_inputs_are_value_errors():

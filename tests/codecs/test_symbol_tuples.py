@@ -7,8 +7,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from inshrinkerator.codecs import symbol_tuples
 from inshrinkerator.codecs.entropy import huffman_frame, order0_entropy_bits
-from inshrinkerator.codecs.symbol_tuples import decode_symbol_tuples, encode_symbol_tuples, tuple_header_bytes
+from inshrinkerator.codecs.symbol_tuples import (
+    decode_symbol_tuples,
+    encode_symbol_tuples,
+    tuple_header_bytes,
+)
 from inshrinkerator.errors import CorruptCheckpointError
 
 
@@ -78,3 +83,26 @@ def test_damaged_data_raises_or_decodes_to_some_symbols() -> None:
         # A flip inside Huffman-coded bytes can decode to other symbols (the container's
         # checksum catches that); the count never changes.
         assert out.numel() == symbols.numel()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    count=st.integers(1, 5000),
+    alphabet=st.integers(1, 256),
+    zero_share=st.floats(0.0, 1.0),
+    size=st.sampled_from([2, 4]),
+    seed=st.integers(0, 100),
+    dtype=st.sampled_from([torch.uint8, torch.int16, torch.int64]),
+)
+def test_short_streams_packed_in_numpy_give_the_same_bytes_as_torch(
+    count: int, alphabet: int, zero_share: float, size: int, seed: int, dtype: torch.dtype
+) -> None:
+    symbols = _skewed(count, alphabet, zero_share, seed).to(dtype)
+    counts = torch.bincount(symbols.long(), minlength=alphabet)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(symbol_tuples, "_NUMPY_UP_TO", 1 << 30)
+        in_numpy = encode_symbol_tuples(symbols, counts, size)
+        patch.setattr(symbol_tuples, "_NUMPY_UP_TO", 0)
+        in_torch = encode_symbol_tuples(symbols, counts, size)
+    assert in_numpy == in_torch
+    assert torch.equal(decode_symbol_tuples(in_numpy, count), symbols.to(torch.uint8))

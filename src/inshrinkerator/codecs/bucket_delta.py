@@ -66,10 +66,28 @@ import torch
 
 from ..errors import CorruptCheckpointError, FormatError
 from ._numpy_paths import positions_differing, stable_argsort
-from .entropy import decode_symbols, encode_symbols, encoded_size_floor, expand_frame, huffman_frame
-from .symbol_tuples import TUPLE_SIZES, decode_symbol_tuples, encode_symbol_tuples, tuple_header_bytes
-from .symmetric_models import MAX_STREAM_LIMIT, best_model, decode_symmetric, encode_symmetric, symmetric_header_bytes
+from .entropy import (
+    decode_symbols,
+    encode_symbols,
+    encoded_size_floor,
+    expand_frame,
+    histogram_bits,
+    huffman_frame,
+)
 from .scratch import reusing_scratch
+from .symbol_tuples import (
+    TUPLE_SIZES,
+    decode_symbol_tuples,
+    encode_symbol_tuples,
+    tuple_header_bytes,
+)
+from .symmetric_models import (
+    MAX_STREAM_LIMIT,
+    best_model,
+    decode_symmetric,
+    encode_symmetric,
+    symmetric_header_bytes,
+)
 from .varint import decode_varint, encode_varint
 from .zero_runs import from_run_tokens, to_run_tokens, token_alphabet
 
@@ -147,7 +165,7 @@ class EntropyStats:
         (default: the ANS stage's header and count table); ``bits``: their order-0 entropy,
         when the caller has it."""
         if bits is None:
-            bits = _entropy_bits(torch.bincount(tokens.reshape(-1), minlength=alphabet))
+            bits = histogram_bits(torch.bincount(tokens.reshape(-1), minlength=alphabet))
         if table is None:
             table = _SYMBOLS_HEAD.size + _SYMBOLS_HEAD.unpack_from(coded)[2]
         with self._lock:
@@ -209,11 +227,11 @@ def encode_id_symbols(
         if counts is None or counts.numel() != alphabet:
             counts = torch.bincount(symbols.reshape(-1).cpu(), minlength=alphabet)
         counts = counts.cpu()
-        bits = _entropy_bits(counts)
+        bits = histogram_bits(counts)
         bound = bits / 8
         best: Optional[tuple[int, bytes]] = None
         sizes = (4, 2) if 8 * bound < _TUPLES_BELOW_BITS * count else (2, 1)
-        ranked = torch.sort(counts, descending=True).values
+        ranked = np.sort(counts.numpy())[::-1]  # a table: NumPy's calls cost less (histogram_bits)
         # A tuple size whose escape digit would stand for many symbols does not pay.
         sizes = [size for size in sizes if size == 1 or int(ranked[TUPLE_SIZES[size] - 1 :].sum()) <= _MAX_ESCAPES * count]
         for size in sizes or [1]:
@@ -293,11 +311,6 @@ def _cyclic_sum(base: torch.Tensor, values: torch.Tensor, levels: int) -> torch.
     return torch.where(total >= levels, total - levels, total)
 
 
-def _entropy_bits(counts: torch.Tensor) -> float:
-    # Order-0 entropy in bits of symbols with these counts.
-    counts = counts[counts > 0].double()
-    total = counts.sum()
-    return float(-(counts * torch.log2(counts / total)).sum()) if counts.numel() else 0.0
 
 
 def encode_bucket_ids(

@@ -31,14 +31,14 @@ __all__ = ["MODEL_COUNT", "decode_factor_columns", "encode_factor_columns", "mod
 def encode_factor_columns(left: torch.Tensor, right: torch.Tensor, limit: int) -> bytes:
     """The code bytes and ANS words of ``left`` (``rows x rank``) and ``right`` (``cols x
     rank``), integers within ``+-limit``."""
-    columns = [column + limit for column in (*left.cpu().T.to(torch.int64), *right.cpu().T.to(torch.int64))]
+    # Columns of a few hundred integers: NumPy's calls cost less than torch's on them.
+    columns = [*(left.cpu().numpy().T.astype(np.int64) + limit), *(right.cpu().numpy().T.astype(np.int64) + limit)]
     width = 2 * limit + 1
-    keys = torch.cat([column + index * width for index, column in enumerate(columns)])
-    counts = torch.bincount(keys, minlength=len(columns) * width).reshape(len(columns), width).to(torch.float64)
-    codes = (counts @ model_costs(limit).T).argmin(dim=1) + 1
+    counts = np.stack([np.bincount(column, minlength=width) for column in columns])
+    codes = (torch.from_numpy(counts.astype(np.float64)) @ model_costs(limit).T).argmin(dim=1) + 1
     coder = constriction.stream.stack.AnsCoder()
     for column, code in zip(reversed(columns), reversed(codes.tolist())):
-        coder.encode_reverse(column.numpy().astype(np.int32), categorical_model(code, limit))
+        coder.encode_reverse(column.astype(np.int32), categorical_model(code, limit))
     return codes.to(torch.uint8).numpy().tobytes() + coder.get_compressed().tobytes()
 
 

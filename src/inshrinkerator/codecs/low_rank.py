@@ -50,7 +50,7 @@ import torch
 from ..errors import BrokenChainError, FormatError
 from .base import Codec, Encoded, TensorSpec, matching_reference
 from .dynaquant_context import DynaQuantGroupedCodec, _ContextKey
-from .entropy import decode_symbols, encode_symbols
+from .entropy import decode_symbols, encode_symbols, histogram_bits
 from .expansion_padding import PADDED_MAX_EXPANSION, check_padding_stream, padding_stream
 from .factor_columns import decode_factor_columns, encode_factor_columns
 from .lossy_input import checked_float_input, require_float_spec, working_dtype
@@ -289,9 +289,7 @@ def low_rank_within(matrix: torch.Tensor, allowed: float) -> Optional[LowRankFac
 def _order0_bits(values: torch.Tensor) -> float:
     """Order-0 entropy, in bits, of ``values`` rounded to integers (clamped to +-4096)."""
     ints = torch.round(values.reshape(-1)).clamp_(-4096, 4096).to(torch.int64) + 4096
-    counts = torch.bincount(ints, minlength=8193).to(torch.float64)
-    counts = counts[counts > 0]
-    return float(-(counts * torch.log2(counts / counts.sum())).sum())
+    return histogram_bits(torch.bincount(ints, minlength=8193))
 
 
 class _Factored:

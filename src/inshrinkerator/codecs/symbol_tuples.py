@@ -21,8 +21,9 @@ most significant digit, the last byte padded with digit 0), the escape frame
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from ..errors import CorruptCheckpointError
@@ -35,6 +36,9 @@ __all__ = ["TUPLE_SIZES", "encode_symbol_tuples", "decode_symbol_tuples", "tuple
 
 #: Symbols per byte, and the digit radix of each.
 TUPLE_SIZES = {2: 16, 4: 4}
+# Streams of at most this many symbols are packed in NumPy (its calls cost less than
+# torch's on them).
+_NUMPY_UP_TO = 1 << 14
 # One table entry per byte value packs its ``size`` symbols into one integer of this dtype.
 _PACKED = {2: torch.int16, 4: torch.int32}
 
@@ -81,17 +85,36 @@ def encode_symbol_tuples(symbols: torch.Tensor, counts: torch.Tensor, size: int)
         raise ValueError(f"tuple size must be one of {sorted(TUPLE_SIZES)}, got {size}")
     radix = TUPLE_SIZES[size]
     flat = symbols.reshape(-1).cpu()
-    counts = counts.cpu()
-    if counts.numel() > 256:
-        if bool((counts[256:] > 0).any()):
+    # The symbol table in NumPy: on a few hundred entries its calls cost a fraction of
+    # torch's (and keep the GIL, which each torch call hands to the other codec thread).
+    table = counts.cpu().numpy().reshape(-1).astype(np.int64)
+    if table.size > 256:
+        if bool((table[256:] > 0).any()):
             raise ValueError("tuple coding takes symbols below 256")
-        counts = counts[:256]
-    present = int((counts > 0).sum())
+        table = table[:256]
+    present = int(np.count_nonzero(table))
     direct = present if present <= radix else radix - 1
-    ranked = torch.argsort(-counts.long(), stable=True)[:direct]
+    ranked = np.argsort(-table, kind="stable")[:direct]
     # digit of every symbol value: its rank among the direct symbols, else the escape digit.
-    digit_of = torch.full((256,), radix - 1, dtype=torch.uint8)
-    digit_of[ranked] = torch.arange(direct, dtype=torch.uint8)
+    digit_of = np.full(256, radix - 1, dtype=np.uint8)
+    digit_of[ranked] = np.arange(direct, dtype=np.uint8)
+    count = flat.numel()
+    escapes = count - int(table[ranked].sum()) if present > direct else 0  # every other symbol escapes
+    if count <= _NUMPY_UP_TO:
+        packed, values = _packed_in_numpy(flat.numpy(), digit_of, size, radix, escapes)
+    else:
+        packed, values = _packed(flat, torch.from_numpy(digit_of), size, radix, escapes)
+    escaped = huffman_frame(values) if values is not None else b""
+    frame = huffman_frame(packed)
+    head = bytes([size, direct]) + ranked.astype(np.uint8).tobytes()
+    return b"".join([head, encode_varint(0 if values is None else values.size), encode_varint(len(frame)), frame, escaped])
+
+
+def _packed(
+    flat: torch.Tensor, digit_of: torch.Tensor, size: int, radix: int, escapes: int
+) -> tuple[np.ndarray, Optional[np.ndarray]]:
+    """``(tuple bytes, escaped symbols as uint8 or None)`` of ``flat`` (CPU symbols), with
+    ``escapes`` of them known to escape."""
     count = flat.numel()
     padding = (-count) % size
     digits = torch.zeros(count + padding, dtype=torch.uint8)  # padded with digit 0
@@ -102,17 +125,29 @@ def encode_symbol_tuples(symbols: torch.Tensor, counts: torch.Tensor, size: int)
     for column in range(1, size):
         # Horner in uint8: every partial value stays below radix ** size = 256.
         packed.mul_(radix).add_(columns[:, column])
-    escaped = b""
-    escape_count = 0
-    if present > direct:
-        escapes = count - int(counts.index_select(0, ranked).sum())  # every other symbol escapes
+    values = None
+    if escapes:
         positions = _escape_positions(packed, digits, radix - 1, size, radix, escapes)
-        values = flat.index_select(0, positions).to(torch.uint8)
-        escape_count = values.numel()
-        escaped = huffman_frame(values.numpy())
-    frame = huffman_frame(packed.numpy())
-    head = bytes([size, direct]) + bytes(ranked.to(torch.uint8).tolist())
-    return b"".join([head, encode_varint(escape_count), encode_varint(len(frame)), frame, escaped])
+        values = flat.index_select(0, positions).to(torch.uint8).numpy()
+    return packed.numpy(), values
+
+
+def _packed_in_numpy(
+    flat: np.ndarray, digit_of: np.ndarray, size: int, radix: int, escapes: int
+) -> tuple[np.ndarray, Optional[np.ndarray]]:
+    """:func:`_packed` of a short stream, in NumPy (the same bytes)."""
+    count = flat.size
+    digits = np.zeros(count + (-count) % size, dtype=np.uint8)
+    digits[:count] = digit_of[flat]
+    columns = digits.reshape(-1, size)
+    packed = columns[:, 0].copy()
+    for column in range(1, size):
+        packed *= radix
+        packed += columns[:, column]
+    values = None
+    if escapes:
+        values = flat[np.flatnonzero(digits[:count] == radix - 1)].astype(np.uint8)
+    return packed, values
 
 
 def tuple_header_bytes(data: Any) -> int:

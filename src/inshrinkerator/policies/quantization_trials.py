@@ -23,9 +23,16 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from ..codecs._parallel import parallel_map_sized
 from ..codecs.dynaquant import magnitude_thresholds
 from ..codecs.log_sketch import ALPHA, MAGNITUDE_KEYS, SIGNED_KEYS, magnitude_keys, signed_keys
-from ..codecs.nonuniform_quantizer import FIRST_NON_FINITE_KEY, LINEAR, LevelTable, key_centres, make_level_table
+from ..codecs.nonuniform_quantizer import (
+    FIRST_NON_FINITE_KEY,
+    LINEAR,
+    LevelTable,
+    key_centres,
+    make_level_table,
+)
 from ..codecs.weighted_kmeans import KMeansProblem, float32_levels_batch, histogram_sample_weights
 
 __all__ = ["TrialConfig", "TrialResult", "WeightTrial", "MAGNITUDE", "SENSITIVITY", "quantile_key", "run_trials"]
@@ -375,7 +382,11 @@ def run_trials(
     trials = [request[0] for request in requests]
     if len({id(trial) for trial in trials}) != len(trials):
         raise ValueError("run_trials runs each trial once per call")
-    pending = [trial._pending(config, threshold, init) for trial, config, threshold, init in requests]
+    # What each trial keeps is found side by side: a trial's first sensitivity request
+    # makes its class table, a pass over all of its elements.
+    pending = parallel_map_sized(
+        lambda request: request[0]._pending(*request[1:]), requests, [4 * trial.numel for trial in trials]
+    )
     waiting = [step for step in pending if isinstance(step, _Pending)]
     problems = [step.kept.problem(step.bins, step.init) for step in waiting]
     fitted = iter(float32_levels_batch([problem for problem in problems if problem is not None]))
