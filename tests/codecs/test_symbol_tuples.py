@@ -106,3 +106,32 @@ def test_short_streams_packed_in_numpy_give_the_same_bytes_as_torch(
         in_torch = encode_symbol_tuples(symbols, counts, size)
     assert in_numpy == in_torch
     assert torch.equal(decode_symbol_tuples(in_numpy, count), symbols.to(torch.uint8))
+
+
+def _decoded_or_error(data: bytes, count: int) -> "torch.Tensor | str":
+    try:
+        return decode_symbol_tuples(data, count)
+    except Exception as error:  # compared by type and message: both paths must fail alike
+        return f"{type(error).__name__}: {error}"
+
+
+@pytest.mark.parametrize("size, alphabet, zero_share", [(4, 40, 0.7), (2, 200, 0.3), (4, 3, 0.9), (2, 16, 0.5)])
+def test_short_streams_decode_in_numpy_to_what_torch_decodes_damaged_or_not(size: int, alphabet: int, zero_share: float) -> None:
+    symbols = _skewed(3_001, alphabet, zero_share, seed=size + alphabet)
+    data = _code(symbols, size, alphabet)
+    cases = [(data, symbols.numel()), (data[:-2], symbols.numel()), (data, symbols.numel() + 8)]
+    for position in range(len(data)):
+        damaged = bytearray(data)
+        damaged[position] ^= 0x41
+        cases.append((bytes(damaged), symbols.numel()))
+    for case, count in cases:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(symbol_tuples, "_NUMPY_UP_TO", 1 << 30)
+            in_numpy = _decoded_or_error(case, count)
+            patch.setattr(symbol_tuples, "_NUMPY_UP_TO", -1)
+            in_torch = _decoded_or_error(case, count)
+        if isinstance(in_torch, str):
+            assert in_numpy == in_torch
+        else:
+            assert isinstance(in_numpy, torch.Tensor) and in_numpy.dtype == torch.uint8 and torch.equal(in_numpy, in_torch)
+    assert torch.equal(decode_symbol_tuples(data, symbols.numel()), symbols)

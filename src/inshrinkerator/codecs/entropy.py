@@ -283,7 +283,10 @@ def expand_frame(frame: Any, size: int) -> bytes:
         CorruptCheckpointError: the frame is damaged or does not hold exactly ``size`` bytes
             (checked before anything is allocated for it).
     """
-    claimed = zstandard.frame_content_size(frame) if len(frame) >= 6 else -2
+    try:
+        claimed = zstandard.frame_content_size(frame) if len(frame) >= 6 else -2
+    except zstandard.ZstdError:  # not a frame header at all
+        claimed = -2
     if claimed != size:
         raise CorruptCheckpointError(f"a zstd frame claims {claimed} bytes where {size} belong")
     decompressor = _thread_coder("expand", zstandard.ZstdDecompressor)

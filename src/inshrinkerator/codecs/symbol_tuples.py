@@ -175,6 +175,8 @@ def decode_symbol_tuples(data: Any, count: int) -> torch.Tensor:
     frame_bytes, cursor = decode_varint(view, cursor)
     if cursor + frame_bytes > len(view) or escape_count > count or (escape_count and direct != radix - 1):
         raise CorruptCheckpointError("symbol tuples: sizes do not match the header")
+    if count <= _NUMPY_UP_TO:
+        return _decode_in_numpy(view, count, size, direct, cursor, frame_bytes, escape_count)
     is_direct = torch.zeros(256, dtype=torch.bool)
     is_direct[symbols_of.long()] = True
     if int(is_direct.sum()) != direct:
@@ -203,3 +205,36 @@ def decode_symbol_tuples(data: Any, count: int) -> torch.Tensor:
     elif direct < radix and bool((symbols == marker).any()):
         raise CorruptCheckpointError("symbol tuples: a digit stands for no symbol")
     return symbols
+
+
+def _decode_in_numpy(view: memoryview, count: int, size: int, direct: int, cursor: int, frame_bytes: int, escape_count: int) -> torch.Tensor:
+    """:func:`decode_symbol_tuples` of a short stream after its header, in NumPy (the same
+    symbols, and the same errors)."""
+    radix = TUPLE_SIZES[size]
+    symbols_of = np.frombuffer(view[2 : 2 + direct], dtype=np.uint8)
+    is_direct = np.zeros(256, dtype=bool)
+    is_direct[symbols_of] = True
+    if int(is_direct.sum()) != direct:
+        raise CorruptCheckpointError("symbol tuples: a symbol has two digits")
+    marker = int(np.flatnonzero(~is_direct)[0]) if direct < 256 else 0
+    digit_symbols = np.full(radix, marker, dtype=np.uint8)
+    digit_symbols[:direct] = symbols_of
+    table = digit_symbols[_digit_table(size, radix).numpy()].reshape(256, size)
+    packed_count = -(-count // size)
+    packed = np.frombuffer(expand_frame(view[cursor : cursor + frame_bytes], packed_count), dtype=np.uint8)
+    padded = table[packed].reshape(-1)
+    symbols = padded[:count]
+    escapes_at = cursor + frame_bytes
+    if escape_count:
+        values = np.frombuffer(expand_frame(view[escapes_at:], escape_count), dtype=np.uint8)
+        if bool(is_direct[values].any()):
+            raise CorruptCheckpointError("symbol tuples: an escaped symbol has a digit of its own")
+        positions = np.flatnonzero(padded == marker)
+        if positions.size != escape_count or (escape_count and int(positions[-1]) >= count):
+            raise CorruptCheckpointError("symbol tuples: escapes do not match their digits")
+        symbols[positions] = values
+    elif escapes_at != len(view):
+        raise CorruptCheckpointError("symbol tuples: bytes follow the tuple frame")
+    elif direct < radix and bool((symbols == marker).any()):
+        raise CorruptCheckpointError("symbol tuples: a digit stands for no symbol")
+    return torch.from_numpy(symbols)
