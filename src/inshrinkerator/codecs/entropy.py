@@ -90,7 +90,8 @@ def _model(counts: np.ndarray) -> Any:
 
 def _count_table(counts: np.ndarray) -> bytes:
     # The symbol counts as a stream stores them (its model).
-    return zstandard.ZstdCompressor(level=3).compress(counts.astype(np.uint64).tobytes())
+    compressor = _thread_coder("count-table", lambda: zstandard.ZstdCompressor(level=3))
+    return compressor.compress(counts.astype(np.uint64).tobytes())
 
 
 def encoded_size_floor(counts: np.ndarray, bits: float) -> float:
