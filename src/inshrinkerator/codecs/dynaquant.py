@@ -63,7 +63,7 @@ from typing import Any, Optional
 import torch
 
 from ..errors import BrokenChainError, CorruptCheckpointError, FormatError
-from ._numpy_paths import nonzero_positions, positions_differing, positions_of
+from ._numpy_paths import nonzero_positions, positions_differing, positions_of, select
 from ._parallel import parallel_map_sized
 from .base import Codec, Encoded, TensorSpec
 from .bucket_delta import MAX_LEVELS, EntropyStats, decode_bucket_ids, encode_bucket_ids, id_dtype
@@ -384,8 +384,8 @@ class DynaQuantCodec(PreparedEncoding, Codec):
         coded_ids, coded_predicted = ids, predicted
         if zeros is not None:  # only the other entries are coded
             stored = ~zeros
-            coded_ids = ids[stored]
-            coded_predicted = None if predicted is None else predicted[stored]
+            coded_ids = select(ids, stored)
+            coded_predicted = None if predicted is None else select(predicted, stored)
             changed = None  # positions among the coded entries: the id coder finds them
         stats = self._hints.get("stats")
         if groups is not None:
@@ -535,7 +535,7 @@ class DynaQuantCodec(PreparedEncoding, Codec):
         else:
             stored = ~zeros
             coded = decode_bucket_ids(
-                view[protected_end:], table.count, int(stored.sum()), None if predicted is None else predicted[stored]
+                view[protected_end:], table.count, int(stored.sum()), None if predicted is None else select(predicted, stored)
             )
             ids = torch.full((spec.numel,), table.zero_index, dtype=coded.dtype)
             ids[stored] = coded

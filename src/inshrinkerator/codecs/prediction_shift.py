@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from ._numpy_paths import select
 from .log_sketch import MAGNITUDE_KEYS, MANTISSA_BITS, SIGNED_KEYS
 from .nonuniform_quantizer import DIRECT_IDS_FRACTION, FIRST_NON_FINITE_KEY, LevelTable
 
@@ -95,8 +96,8 @@ def best_shift(
     sample_keys = reference_keys.reshape(-1)[::stride].long()
     sample_ids = ids.reshape(-1)[::stride].long()
     if coded is not None:
-        kept = coded.reshape(-1)[::stride]
-        sample_keys, sample_ids = sample_keys[kept], sample_ids[kept]
+        kept = coded.reshape(-1)[::stride].contiguous()
+        sample_keys, sample_ids = select(sample_keys, kept), select(sample_ids, kept)
     if sample_keys.numel() == 0:
         return 0
     levels = table.count
@@ -112,7 +113,7 @@ def best_shift(
     index[distinct] = torch.arange(distinct.numel())
     inverse = index.index_select(0, sample_keys)
     weighed = inverse < distinct.numel()
-    inverse, sample_ids = inverse[weighed], sample_ids[weighed]
+    inverse, sample_ids = select(inverse, weighed), select(sample_ids, weighed)
     joint = torch.bincount(inverse * levels + sample_ids, minlength=distinct.numel() * levels)
     joint = joint.reshape(distinct.numel(), levels)
     # Every eighth shift first, then every shift around the best of them.
