@@ -311,8 +311,6 @@ def _cyclic_sum(base: torch.Tensor, values: torch.Tensor, levels: int) -> torch.
     return torch.where(total >= levels, total - levels, total)
 
 
-
-
 def encode_bucket_ids(
     ids: torch.Tensor,
     levels: int,

@@ -96,7 +96,7 @@ def best_shift(
     sample_keys = reference_keys.reshape(-1)[::stride].long()
     sample_ids = ids.reshape(-1)[::stride].long()
     if coded is not None:
-        kept = coded.reshape(-1)[::stride].contiguous()
+        kept = coded.reshape(-1)[::stride]
         sample_keys, sample_ids = select(sample_keys, kept), select(sample_ids, kept)
     if sample_keys.numel() == 0:
         return 0
