@@ -36,8 +36,8 @@ __all__ = ["TUPLE_SIZES", "encode_symbol_tuples", "decode_symbol_tuples", "tuple
 
 #: Symbols per byte, and the digit radix of each.
 TUPLE_SIZES = {2: 16, 4: 4}
-# Streams of at most this many symbols are packed in NumPy (its calls cost less than
-# torch's on them).
+# Streams of at most this many symbols are packed and unpacked in NumPy (its calls cost
+# less than torch's on them).
 _NUMPY_UP_TO = 1 << 14
 # One table entry per byte value packs its ``size`` symbols into one integer of this dtype.
 _PACKED = {2: torch.int16, 4: torch.int32}
@@ -170,13 +170,13 @@ def decode_symbol_tuples(data: Any, count: int) -> torch.Tensor:
     radix = TUPLE_SIZES[size]
     if not 1 <= direct <= radix or len(view) < 2 + direct:
         raise CorruptCheckpointError("symbol tuples: the header is damaged")
-    symbols_of = torch.frombuffer(bytearray(view[2 : 2 + direct]), dtype=torch.uint8)
     escape_count, cursor = decode_varint(view, 2 + direct)
     frame_bytes, cursor = decode_varint(view, cursor)
     if cursor + frame_bytes > len(view) or escape_count > count or (escape_count and direct != radix - 1):
         raise CorruptCheckpointError("symbol tuples: sizes do not match the header")
     if count <= _NUMPY_UP_TO:
         return _decode_in_numpy(view, count, size, direct, cursor, frame_bytes, escape_count)
+    symbols_of = torch.frombuffer(bytearray(view[2 : 2 + direct]), dtype=torch.uint8)
     is_direct = torch.zeros(256, dtype=torch.bool)
     is_direct[symbols_of.long()] = True
     if int(is_direct.sum()) != direct:

@@ -192,23 +192,24 @@ def spread(values: torch.Tensor) -> tuple[float, float]:
     return float(torch.linalg.vector_norm(values)) / values.numel() ** 0.5, largest_magnitude(values)
 
 
+def _flat_pair(tensor: torch.Tensor, reference: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``tensor`` and ``reference`` (or None), flat, in the working dtype, on ``tensor``'s device."""
+    dtype = working_dtype(tensor.dtype)
+    flat = tensor.detach().reshape(-1).to(dtype)
+    return flat, None if reference is None else reference.detach().to(tensor.device).reshape(-1).to(dtype)
+
+
 def _flat_change(tensor: torch.Tensor, reference: Optional[torch.Tensor]) -> torch.Tensor:
     """``tensor - reference`` (``tensor`` with no reference), flat, in the working dtype."""
-    change = tensor.detach().reshape(-1).to(working_dtype(tensor.dtype))
-    if reference is not None:
-        change = change - reference.detach().to(tensor.device).reshape(-1).to(change.dtype)
-    return change
+    flat, base = _flat_pair(tensor, reference)
+    return flat if base is None else flat - base
 
 
 def change_energy(tensor: torch.Tensor, reference: Optional[torch.Tensor]) -> float:
     """The summed square of ``tensor - reference`` (of ``tensor`` with no reference), as
-    :func:`change_plan` takes the change (inf or nan where it is not finite)."""
-    dtype = working_dtype(tensor.dtype)
-    flat = tensor.detach().reshape(-1).to(dtype)
-    if reference is None:
-        return sum_of_squares(flat)
-    # The change a slice at a time: it is never held whole.
-    return sum_of_squares(flat, reference.detach().to(tensor.device).reshape(-1).to(dtype))
+    :func:`change_plan` takes the change (inf or nan where it is not finite). The change is
+    formed a slice at a time: it is never held whole."""
+    return sum_of_squares(*_flat_pair(tensor, reference))
 
 
 def pooled_shares(energies: list[float], counts: list[int], error: float, limits: list[float]) -> list[float]:
