@@ -873,6 +873,130 @@ def test_a_small_weight_holding_nan_or_inf_is_stored_exactly_at_a_delta(tmp_path
     assert torch.equal(restored.nan_to_num(), after["model"]["5.weight"].nan_to_num())
 
 
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("change_trial_bits", [None, 0.0])
+def test_a_large_weight_turning_non_finite_at_a_delta_is_saved_and_kept(tmp_path, monkeypatch, value, change_trial_bits) -> None:
+    # A large weight that moved and now holds inf (or nan) is not stored as its change,
+    # which cannot hold it: the save used to fail with the residual codec's ValueError
+    # (an inf made the movement infinite, so the weight counted as moved). With
+    # CHANGE_TRIAL_BITS at 0 every moving weight is also tried as its change.
+    import inshrinkerator.policies.dynaquant_weights as weights_module
+
+    if change_trial_bits is not None:
+        monkeypatch.setattr(weights_module, "CHANGE_TRIAL_BITS", change_trial_bits)
+    model, (before, after) = trained_states(2)
+    weight = after["model"]["3.weight"]
+    weight.view(-1)[11] = value
+    with ink.CheckpointManager(tmp_path / "run") as manager:
+        manager.save(1, before)
+        manager.save(2, after)
+        restored = manager.load(2)["model"]["3.weight"]
+    finite = torch.isfinite(weight)
+    assert torch.equal(torch.isfinite(restored), finite)
+    assert torch.equal(restored[~finite].nan_to_num(), weight[~finite].nan_to_num())
+    error = (restored[finite] - weight[finite]).norm() / weight[finite].norm()
+    assert float(error) < 0.1
+
+@pytest.mark.parametrize("scale", [1e20, 1e-25])
+def test_spread_holds_values_whose_squares_leave_float32(scale) -> None:
+    # Squares of values beyond ~1e19 overflow float32 and those below ~1e-19 underflow:
+    # the root mean square is then taken in float64 instead of coming back inf or 0.
+    from inshrinkerator.policies.even_levels import spread
+
+    values = torch.linspace(-1.0, 1.0, 301)
+    rms, largest = spread(values)
+    big_rms, big_largest = spread(values * scale)
+    assert math.isclose(big_rms, rms * scale, rel_tol=1e-5)
+    assert math.isclose(big_largest, largest * scale, rel_tol=1e-6)
+    assert spread(torch.zeros(5)) == (0.0, 0.0)
+
+
+@pytest.mark.parametrize("scale", [1e20, 1e-25])
+def test_a_small_weight_of_extreme_magnitude_is_kept_at_a_full_checkpoint(tmp_path, scale) -> None:
+    # A small weight's evenly spaced levels came from an RMS that overflowed (or
+    # underflowed) in float32, and an RMS of inf was taken for a tensor of zeros: such a
+    # norm-layer scale of ~1e20 restored as 1.0 everywhere.
+    model, (state,) = trained_states(1)
+    weight = state["model"]["5.weight"]
+    weight.mul_(scale)
+    with ink.CheckpointManager(tmp_path / "run") as manager:
+        manager.save(1, state)
+        restored = manager.load(1)["model"]["5.weight"]
+    error = (restored.double() - weight.double()).norm() / weight.double().norm()
+    assert float(error) < 0.05
+
+
+def test_levels_reach_only_as_far_as_max_even_levels_steps() -> None:
+    from inshrinkerator.policies.even_levels import MAX_EVEN_LEVELS, even_step, levels_reach
+
+    assert levels_reach(1.0, 4.0, 0.03)
+    step = even_step(1.0, 1e-12)
+    assert levels_reach(1.0, (MAX_EVEN_LEVELS - 1) * step, 1e-12)
+    assert not levels_reach(1.0, (MAX_EVEN_LEVELS + 1) * step, 1e-12)
+    assert not levels_reach(1.0, 4.0, 0.0)  # a share of 0: no step can hold it
+    assert levels_reach(0.0, 0.0, 0.03)  # nothing to hold
+    assert not levels_reach(math.inf, 1.0, 0.03)
+
+
+@pytest.mark.parametrize("pooled_error", [True, False])
+def test_a_change_alone_or_unpooled_keeps_within_its_cap(pooled_error) -> None:
+    # A change alone in its save (or with pooled_error=False) was rounded at
+    # residual_error whatever its cap: a weight no optimizer trains, zeroed between saves
+    # (a budget of 0 of its own), restored with 3 % of its old squared size.
+    _, (before, after) = trained_states(2)
+    leaves, references = flatten(after).tensors, flatten(before).tensors
+    index = [format_key_path(leaf.path) for leaf in leaves].index("model/3.weight")
+    policy = DynaQuant(pooled_error=pooled_error)
+    tensors = [leaf.tensor for leaf in references]
+    args = (leaves, tensors, [index], [1], {index: 1e-9}, {index: 1.0})
+    assert policy._change_errors(*args) == {index: 1e-9}
+    # Without a binding cap it keeps residual_error.
+    assert policy._change_errors(leaves, tensors, [index], [1], {index: 1.0}, {index: 1.0}) == {index: policy.residual_error}
+
+
+def test_a_frozen_weight_scaled_far_beyond_float32_squares_is_not_taken_as_unchanged(tmp_path) -> None:
+    # A watched layer that does not train is stored as its reference while it stays
+    # within the frozen budget; its squares summed in float32 overflowed for values of
+    # ~1e25, inf <= inf held, and the scaled weight restored as the old one.
+    from .dynaquant_states import small_model
+
+    model = small_model()
+    model[3].weight.requires_grad_(False)
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], 1e-3)
+    with ink.CheckpointManager(tmp_path / "run") as manager:
+        manager.watch(model)
+        train_steps(model, optimizer, 3)
+        manager.save(1, {"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+        train_steps(model, optimizer, 3, start=3)
+        with torch.no_grad():
+            model[3].weight.mul_(1e25)
+        expected = model[3].weight.detach().clone()
+        manager.save(2, {"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+        restored = manager.load(2)["model"]["3.weight"]
+    error = (restored.double() - expected.double()).norm() / expected.double().norm()
+    assert float(error) < 0.1
+
+
+@pytest.mark.parametrize("evaluate", [False, True])
+def test_a_small_weight_whose_change_dwarfs_it_loses_no_more_than_its_own_budget(tmp_path, evaluate) -> None:
+    # A change far larger than the weight (a bias crossing zero, a run taking huge
+    # steps): a share of the change alone was up to several times the weight's own
+    # squared size. Now at most the budget of a weight (tolerance, or with ``evaluate``,
+    # which does not judge small weights, the proxy's default), else exact.
+    from inshrinkerator.policies.dynaquant_weights import SMALL_WEIGHT_BUDGET_WITH_EVALUATE
+
+    model, (before, after) = trained_states(2)
+    after["model"]["5.weight"] = -0.02 * before["model"]["5.weight"]
+    policy = DynaQuant(evaluate=(lambda state: 0.0) if evaluate else None)
+    with ink.CheckpointManager(tmp_path / "run", policy=policy) as manager:
+        manager.save(1, before)
+        manager.save(2, after)
+        restored = manager.load(2)["model"]["5.weight"]
+    weight = after["model"]["5.weight"].double()
+    budget = SMALL_WEIGHT_BUDGET_WITH_EVALUATE if evaluate else policy.tolerance
+    assert float(((restored.double() - weight) ** 2).sum()) <= budget * float((weight ** 2).sum())
+
+
 def test_sign_grouped_changes_code_a_change_by_the_sign_of_a_first_moment_kept_whole(tmp_path) -> None:
     # Saves 5 steps apart keep the first moment whole; with sign_grouped_changes the weights
     # stored as their change code their ids per sign of it, in fewer bytes, and every step

@@ -22,13 +22,13 @@ from ..codecs.lossy_input import all_finite, working_dtype
 from ..codecs.low_rank import LowRankResidualCodec
 from ..codecs.nonuniform_quantizer import fit_centroids_batch
 from ..codecs.octave_groups import GROUP_MIN_ELEMENTS
-from ..codecs.passes import squared_differences
+from ..codecs.passes import squared_differences, sum_of_squares
 from ..codecs.prepared import PreparedEncoding
 from ..codecs.unchanged import UnchangedCodec
 from ..tree import TensorLeaf, format_key_path
 from .base import encoded_size, leaf_nbytes, usable_reference
 from .dynaquant_search import ConfigurationCube, Point, SearchRecord
-from .even_levels import change_energy, change_plan, even_levels, pooled_shares, spread, step_levels
+from .even_levels import change_energy, change_plan, even_levels, levels_reach, pooled_shares, spread, step_levels
 from .quantization_trials import MAGNITUDE, TrialConfig, WeightTrial
 from .state_layout import StateLayout, TensorRole
 
@@ -51,6 +51,11 @@ CHANGE_TRIAL_BITS = 1.5
 #: was weighed by each weight's Fisher mean (``fisher_pooling``); with that, the whole
 #: budget stored the yardstick's runs 0.3-3.9 % smaller at the same degradation.
 POOLED_BUDGET_MARGIN = 1.0
+
+#: The share of its own squared size a weight under ``min_numel`` stored as its change may
+#: lose with ``evaluate``, which does not judge such weights: the proxy's default
+#: ``tolerance`` (without ``evaluate`` it is ``tolerance`` itself).
+SMALL_WEIGHT_BUDGET_WITH_EVALUATE = 0.003
 
 #: A weight's change rounded a second time because the first missed its own budget
 #: (mostly by the Fisher-weighted error, which the pool does not cap) aims at this much
@@ -139,9 +144,24 @@ class WeightPlanning:
         moving = [i for i in against if all_finite(references[i])]
         chosen: dict[int, EntropyStats] = {}
         stats = {index: EntropyStats() for index in small}
-        coded = self._plain_change_codecs(leaves, references, moving, stats) if moving else []
+        # A change also loses no more than a weight's own budget of the weight's squared
+        # size: where a change is far larger than the weight (a bias crossing zero, a run
+        # taking huge steps) a share of the change alone could be more than the weight.
+        budget = (self.tolerance if self.evaluate is None else SMALL_WEIGHT_BUDGET_WITH_EVALUATE) * PROXY_SCALE
+        own = {index: budget * sum_of_squares(_flat_working(leaves[index].tensor)) for index in moving}
+        shares = None
+        if moving and self.residual_error is not None:
+            shares = self._change_errors(leaves, references, moving, [leaf_nbytes(leaves[i]) for i in moving], own, {})
+        coded = self._plain_change_codecs(leaves, references, moving, stats, shares=shares) if moving else []
         for index, (_, codec) in zip(moving, coded):
+            if codec is None:
+                continue  # no levels within its budget reach its change: it stays exact
             change = codec.prepare(leaves[index].tensor, references[index])
+            rebuilt = change.reconstruction
+            lost = math.inf if rebuilt is None else sum_of_squares(_flat_working(rebuilt), _flat_working(leaves[index].tensor))
+            if not lost <= own[index]:
+                codec.drop_prepared()
+                continue
             exact = codecs[index].encode(leaves[index].tensor, references[index])
             if encoded_size(change) < encoded_size(exact):
                 codecs[index] = codec
@@ -194,9 +214,9 @@ class WeightPlanning:
         allowed = {index: weights.cube.own_budget(index) for index in candidates}
         shares = self._change_shares(leaves, references, candidates, weights.trials, allowed, weights.moved, weights.refining)
         stats = {index: EntropyStats() for index in candidates}
-        as_change = dict(zip(candidates, (codec for _, codec in self._change_codecs(
-            leaves, references, layout, candidates, weights.trials, allowed, stats, weights.moved, shares,
-        ))))
+        coded = self._change_codecs(leaves, references, layout, candidates, weights.trials, allowed, stats, weights.moved, shares)
+        as_change = {index: codec for index, (_, codec) in zip(candidates, coded) if codec is not None}
+        candidates = list(as_change)
         changes = dict(zip(candidates, parallel_map_sized(
             lambda i: as_change[i].prepare(leaves[i].tensor, references[i]), candidates,
             [leaf_nbytes(leaves[i]) for i in candidates],
@@ -213,11 +233,11 @@ class WeightPlanning:
             and math.isfinite(errors[index]) and errors[index] > allowed[index]
         }
         if finer:
-            retried = list(finer)
-            stats.update({index: EntropyStats() for index in retried})
-            as_change.update(zip(retried, (codec for _, codec in self._change_codecs(
-                leaves, references, layout, retried, weights.trials, allowed, stats, weights.moved, finer,
-            ))))
+            stats.update({index: EntropyStats() for index in finer})
+            coded = self._change_codecs(leaves, references, layout, list(finer), weights.trials, allowed, stats, weights.moved, finer)
+            # A retry whose finer levels cannot reach the change keeps its first encoding.
+            retried = [index for index, (_, codec) in zip(finer, coded) if codec is not None]
+            as_change.update((index, codec) for index, (_, codec) in zip(finer, coded) if codec is not None)
             changes.update(zip(retried, parallel_map_sized(
                 lambda i: as_change[i].prepare(leaves[i].tensor, references[i]), retried,
                 [leaf_nbytes(leaves[i]) for i in retried],
@@ -466,9 +486,10 @@ class WeightPlanning:
         moved: dict[int, float],
         shares: Optional[dict[int, float]] = None,
         refining: Optional[dict[int, float]] = None,
-    ) -> list[tuple[int, ResidualCodec]]:
+    ) -> list[tuple[int, Optional[ResidualCodec]]]:
         """The codec of each weight in ``indices`` stored as its change since the reference
-        (its entropy figures into ``stats``), with the number of levels it takes. ``moved``:
+        (its entropy figures into ``stats``), with the number of levels it takes; None for a
+        change that levels within its share cannot hold (:meth:`_plain_change_codecs`). ``moved``:
         the summed squared change of each, where known; ``shares``: the share of its squared
         size each change loses, where already chosen (:meth:`_change_shares`); ``refining``:
         see :meth:`_change_errors`.
@@ -520,10 +541,10 @@ class WeightPlanning:
         indices: list[int],
         stats: dict[int, EntropyStats],
         shares: Optional[dict[int, float]] = None,
-    ) -> list[tuple[int, ResidualCodec]]:
+    ) -> list[tuple[int, Optional[ResidualCodec]]]:
         """Like :meth:`_change_codecs`, with nothing judged per tensor: each change on evenly
         spaced levels (``residual_error``; ``shares``: the share each loses, else pooled
-        without caps), or on ``residual_bins[0]`` k-means levels fitted for all the changes
+        without caps; None for a change whose levels would not reach its largest value), or on ``residual_bins[0]`` k-means levels fitted for all the changes
         side by side, each exactly the fit its encode would run alone (one k-means of a few
         thousand histogram points is mostly per-operation overhead)."""
         sizes = [leaf_nbytes(leaves[i]) for i in indices]
@@ -537,8 +558,14 @@ class WeightPlanning:
             plans = parallel_map_sized(
                 lambda i: change_plan(leaves[i].tensor, references[i], factor_errors.get(i)), indices, sizes
             )
-            coded: list[tuple[int, ResidualCodec]] = []
+            coded: list[tuple[int, Optional[ResidualCodec]]] = []
             for index, (histogram, rms, largest, factors) in zip(indices, plans):
+                if not levels_reach(rms, largest, errors[index]):
+                    # Levels that fine cannot reach its largest value (a share near 0: a
+                    # weight of next to no size of its own, or a budget of 0): the change
+                    # would be clipped to the last level.
+                    coded.append((0, None))
+                    continue
                 # The levels' spacing follows the change; with factors, the levels reach as
                 # far as what their product leaves (and their cells' means describe it).
                 centroids, prune_below = step_levels(histogram, rms, largest, errors[index], self.cell_means)
@@ -595,7 +622,7 @@ class WeightPlanning:
         planned = set(indices) if self.refine_error is not None else set()
         refining = {i: energy for i, energy in (refining or {}).items() if i in planned and energy > 0}
         pooled = self.pooled_error and len(indices) >= 2
-        if not pooled and not refining:
+        if not pooled and not refining and not caps:
             return dict.fromkeys(indices, error)
         totals = parallel_map_sized(
             lambda i: moved[i] if i in moved else change_energy(leaves[i].tensor, references[i]), indices, sizes
@@ -607,7 +634,8 @@ class WeightPlanning:
             for index, energy in zip(indices, totals)
         }
         if not pooled:
-            shares = dict.fromkeys(indices, error)
+            # Each at ``residual_error``, none over its limit (a change alone, or not pooled).
+            shares = {index: min(error, limits[index]) for index in indices}
         else:
             energies = totals
             if self.fisher_pooling and fisher and all(fisher.get(i, 0.0) > 0 for i in indices):
@@ -721,7 +749,11 @@ class WeightPlanning:
             difference = flat - reference.detach().to(tensor.device).float().reshape(-1)
             # One temporary of the tensor's size (float64 copies would be two of twice it).
             energy, distance = float(torch.dot(flat, flat)), float(torch.dot(difference, difference))
-            if distance <= bound * energy:
+            if not (math.isfinite(energy) and math.isfinite(distance)):
+                # Squares beyond float32 (values over ~1e19): inf <= inf would call a weight
+                # scaled by 1e30 unchanged. Sums in float64 hold them (or stay inf for inf).
+                energy, distance = sum_of_squares(flat), sum_of_squares(difference)
+            if distance <= bound * energy and math.isfinite(energy):
                 unchanged.add(index)
         return unchanged
 
@@ -813,6 +845,8 @@ class WeightPlanning:
             figures = {i: change_stats.setdefault(i, EntropyStats()) for i in residual}
             coded = self._change_codecs(leaves, references, layout, residual, trials, allowed, figures, moved, refining=refining)
             for index, (levels, codec) in zip(residual, coded):
+                if codec is None:
+                    continue  # stays lossless: no levels within its budget reach its change
                 codecs[index] = codec
                 residual_levels[levels] = residual_levels.get(levels, 0) + 1
             if hard:
@@ -919,11 +953,18 @@ class WeightPlanning:
                 continue
             difference = tensor.detach().float() - reference.detach().to(tensor.device).float()
             moved = float(torch.dot(difference.reshape(-1), difference.reshape(-1)))
-            if not moved > 0:  # unchanged (nothing to lose) or not finite
+            # Unchanged (nothing to lose), or not finite: a weight holding NaN or inf (or
+            # whose reference does) is not stored as its change, which cannot hold them.
+            if not (moved > 0 and math.isfinite(moved)):
                 continue
             budgets[index] = self.movement_share * moved / max(trials[index].total_plain, 1e-300)
             squared[index] = moved
         return budgets, squared
+
+
+def _flat_working(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` flat, in its working dtype (float32 for half types)."""
+    return tensor.detach().reshape(-1).to(working_dtype(tensor.dtype))
 
 
 def _drop_prepared(codec: Codec) -> None:

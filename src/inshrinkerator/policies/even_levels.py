@@ -51,6 +51,16 @@ def even_levels(rms: float, largest: float, error: float) -> tuple[torch.Tensor,
     return centroids, prune_below
 
 
+def levels_reach(rms: float, largest: float, error: float) -> bool:
+    """Whether :func:`even_levels` for a tensor of root mean square ``rms`` that loses
+    ``error`` of its squared size reach its ``largest`` magnitude: at most
+    :data:`MAX_EVEN_LEVELS` steps out (a value further out would be rounded to the last
+    level). Levels for no values (``rms`` 0) reach anything."""
+    if not (rms > 0.0 and math.isfinite(rms) and math.isfinite(largest)):
+        return rms == 0.0
+    return math.floor(largest / even_step(rms, error) + 0.5) <= MAX_EVEN_LEVELS
+
+
 #: The spacings :func:`mean_levels` tries, as multiples of :func:`even_step`'s: 1/16 of an
 #: octave apart, from 0.71x to 5.7x.
 _SPACINGS = 2.0 ** (torch.arange(-8, 41, dtype=torch.float64) / 16)
@@ -189,7 +199,12 @@ def spread(values: torch.Tensor) -> tuple[float, float]:
     that :func:`even_levels` takes (0, 0 for no values)."""
     if values.numel() == 0:
         return 0.0, 0.0
-    return float(torch.linalg.vector_norm(values)) / values.numel() ** 0.5, largest_magnitude(values)
+    rms, largest = float(torch.linalg.vector_norm(values)) / values.numel() ** 0.5, largest_magnitude(values)
+    if math.isfinite(largest) and not (math.isfinite(rms) and (rms > 0.0 or largest == 0.0)):
+        # The squares overflowed (values beyond ~1e19) or underflowed (below ~1e-19) in
+        # float32: the sum again in float64, which holds both.
+        rms = float(torch.linalg.vector_norm(values, dtype=torch.float64)) / values.numel() ** 0.5
+    return rms, largest
 
 
 def _flat_pair(tensor: torch.Tensor, reference: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
