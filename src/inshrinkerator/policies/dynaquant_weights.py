@@ -28,7 +28,15 @@ from ..codecs.unchanged import UnchangedCodec
 from ..tree import TensorLeaf, format_key_path
 from .base import encoded_size, leaf_nbytes, usable_reference
 from .dynaquant_search import ConfigurationCube, Point, SearchRecord
-from .even_levels import change_energy, change_plan, even_levels, levels_reach, pooled_shares, spread, step_levels
+from .even_levels import (
+    change_energy,
+    change_plan,
+    even_levels,
+    levels_reach,
+    pooled_shares,
+    spread,
+    step_levels,
+)
 from .quantization_trials import MAGNITUDE, TrialConfig, WeightTrial
 from .state_layout import StateLayout, TensorRole
 
