@@ -156,7 +156,7 @@ class WeightPlanning:
         # size: where a change is far larger than the weight (a bias crossing zero, a run
         # taking huge steps) a share of the change alone could be more than the weight.
         budget = (self.tolerance if self.evaluate is None else SMALL_WEIGHT_BUDGET_WITH_EVALUATE) * PROXY_SCALE
-        own = {index: budget * sum_of_squares(_flat_working(leaves[index].tensor)) for index in moving}
+        own = {index: budget * change_energy(leaves[index].tensor, None) for index in moving}
         shares = None
         if moving and self.residual_error is not None:
             shares = self._change_errors(leaves, references, moving, [leaf_nbytes(leaves[i]) for i in moving], own, {})
@@ -166,7 +166,7 @@ class WeightPlanning:
                 continue  # no levels within its budget reach its change: it stays exact
             change = codec.prepare(leaves[index].tensor, references[index])
             rebuilt = change.reconstruction
-            lost = math.inf if rebuilt is None else sum_of_squares(_flat_working(rebuilt), _flat_working(leaves[index].tensor))
+            lost = math.inf if rebuilt is None else change_energy(rebuilt, leaves[index].tensor)
             if not lost <= own[index]:
                 codec.drop_prepared()
                 continue
@@ -244,8 +244,8 @@ class WeightPlanning:
             stats.update({index: EntropyStats() for index in finer})
             coded = self._change_codecs(leaves, references, layout, list(finer), weights.trials, allowed, stats, weights.moved, finer)
             # A retry whose finer levels cannot reach the change keeps its first encoding.
-            retried = [index for index, (_, codec) in zip(finer, coded) if codec is not None]
-            as_change.update((index, codec) for index, (_, codec) in zip(finer, coded) if codec is not None)
+            retried = {index: codec for index, (_, codec) in zip(finer, coded) if codec is not None}
+            as_change.update(retried)
             changes.update(zip(retried, parallel_map_sized(
                 lambda i: as_change[i].prepare(leaves[i].tensor, references[i]), retried,
                 [leaf_nbytes(leaves[i]) for i in retried],
@@ -552,9 +552,10 @@ class WeightPlanning:
     ) -> list[tuple[int, Optional[ResidualCodec]]]:
         """Like :meth:`_change_codecs`, with nothing judged per tensor: each change on evenly
         spaced levels (``residual_error``; ``shares``: the share each loses, else pooled
-        without caps; None for a change whose levels would not reach its largest value), or on ``residual_bins[0]`` k-means levels fitted for all the changes
-        side by side, each exactly the fit its encode would run alone (one k-means of a few
-        thousand histogram points is mostly per-operation overhead)."""
+        without caps; None for a change whose levels would not reach its largest value), or
+        on ``residual_bins[0]`` k-means levels fitted for all the changes side by side, each
+        exactly the fit its encode would run alone (one k-means of a few thousand histogram
+        points is mostly per-operation overhead)."""
         sizes = [leaf_nbytes(leaves[i]) for i in indices]
         bins = self.residual_bins[0]
         inner = DynaQuantCodec(bins=bins, prune=0.0, protect=0.0, sigma=self.sigma)
@@ -968,11 +969,6 @@ class WeightPlanning:
             budgets[index] = self.movement_share * moved / max(trials[index].total_plain, 1e-300)
             squared[index] = moved
         return budgets, squared
-
-
-def _flat_working(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` flat, in its working dtype (float32 for half types)."""
-    return tensor.detach().reshape(-1).to(working_dtype(tensor.dtype))
 
 
 def _drop_prepared(codec: Codec) -> None:
