@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 import math
 
@@ -995,6 +996,33 @@ def test_a_small_weight_whose_change_dwarfs_it_loses_no_more_than_its_own_budget
     weight = after["model"]["5.weight"].double()
     budget = SMALL_WEIGHT_BUDGET_WITH_EVALUATE if evaluate else policy.tolerance
     assert float(((restored.double() - weight) ** 2).sum()) <= budget * float((weight ** 2).sum())
+
+
+@pytest.mark.parametrize("value", [0.0, 1e-41])
+@pytest.mark.parametrize("at_delta", [True, False])
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+@pytest.mark.parametrize("key", ["3.weight", "5.weight"])  # a large weight, a small one
+def test_a_weight_of_zeros_or_subnormals_comes_back_exactly(tmp_path, value, at_delta, optimizer, key) -> None:
+    # A large weight zeroed between saves, with the error of its last save carried (the
+    # same weights saved twice: the second save codes the first one's error away), was
+    # coded as its change from the reference and came back as that change's rounding
+    # error (norm 0.04 for a weight of zeros); one of subnormal values came back as
+    # zeros, a small one too. All are stored exactly now.
+    model, (before,) = trained_states(1, optimizer)
+    earlier = [before, before]
+    after = copy.deepcopy(before)
+    after["model"][key] = torch.full_like(after["model"][key], value)
+    with ink.CheckpointManager(tmp_path / "run") as manager:
+        for step, state in enumerate(earlier if at_delta else []):
+            manager.save(step, state)
+        manager.save(2, after)
+        restored = manager.load(2)
+    assert torch.equal(restored["model"][key], after["model"][key])
+    # The rest of the state is still quantized.
+    name = "exp_avg" if optimizer == "adam" else "momentum_buffer"
+    moment = after["optimizer"]["state"][2][name]
+    assert moment.shape == after["model"]["3.weight"].shape
+    assert not torch.equal(restored["optimizer"]["state"][2][name], moment)
 
 
 def test_sign_grouped_changes_code_a_change_by_the_sign_of_a_first_moment_kept_whole(tmp_path) -> None:

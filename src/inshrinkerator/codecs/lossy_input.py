@@ -15,7 +15,7 @@ import torch
 from ..errors import FormatError
 from .base import TensorSpec
 
-__all__ = ["working_dtype", "all_finite", "checked_float_input", "require_float_spec"]
+__all__ = ["working_dtype", "all_finite", "below_normal", "checked_float_input", "require_float_spec"]
 
 
 def working_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -35,6 +35,21 @@ def all_finite(tensor: torch.Tensor) -> bool:
     if bool(torch.isfinite(tensor.sum(dtype=working_dtype(tensor.dtype)))):
         return True
     return bool(torch.isfinite(tensor).all())
+
+
+def below_normal(tensor: torch.Tensor) -> bool:
+    """Whether every value of a floating tensor is zero or subnormal (below its dtype's
+    smallest normal number): levels fitted to it round to zero, a change coded against
+    it is all rounding error, and its exact bytes cost next to nothing.
+
+    The first value settles it for almost every trained weight, so the whole tensor is
+    read only when that one is zero or subnormal.
+    """
+    flat = tensor.detach().reshape(-1)
+    tiny = torch.finfo(tensor.dtype).tiny
+    if flat.numel() == 0 or not abs(float(flat[0])) < tiny:
+        return False
+    return bool(flat.abs().max() < tiny)
 
 
 def checked_float_input(tensor: torch.Tensor, codec_id: str) -> torch.Tensor:

@@ -65,9 +65,10 @@ from typing import Any, Optional
 import torch
 
 from ..codecs import Codec
-from ..codecs.base import Encoded, same_bits
 from ..codecs._parallel import parallel_map_sized
+from ..codecs.base import Encoded, same_bits
 from ..codecs.bucket_delta import EntropyStats
+from ..codecs.lossy_input import below_normal
 from ..codecs.prepared import PreparedEncoding
 from ..codecs.unchanged import UnchangedCodec
 from ..tree import KeyPath, TensorLeaf, format_key_path
@@ -491,6 +492,12 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
         for index in _equal_to_reference(leaves, references, eligible):
             codecs[index] = UnchangedCodec()
             eligible[index] = False
+        # A weight of zeros (a layer zeroed by hand) or of subnormal values is stored
+        # exactly, for a few bytes: coded as its change from the reference it would come
+        # back as that change's rounding error, and levels fitted to it round to zero.
+        for index in layout.indices(TensorRole.WEIGHT):
+            if eligible[index] and below_normal(leaves[index].tensor):
+                eligible[index] = False
         # Deltas are planned on the weights minus the error they were last stored with,
         # where that is nearer the reference and small against the change
         # (policies.carried_error).

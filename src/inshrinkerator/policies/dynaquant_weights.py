@@ -18,7 +18,7 @@ from ..codecs.base import Encoded
 from ..codecs.bucket_delta import EntropyStats
 from ..codecs.dynaquant import DynaQuantCodec, DynaQuantDeltaCodec
 from ..codecs.dynaquant_context import SignGroupedResidualCodec
-from ..codecs.lossy_input import all_finite, working_dtype
+from ..codecs.lossy_input import all_finite, below_normal, working_dtype
 from ..codecs.low_rank import LowRankResidualCodec
 from ..codecs.nonuniform_quantizer import fit_centroids_batch
 from ..codecs.octave_groups import GROUP_MIN_ELEMENTS
@@ -121,12 +121,13 @@ class WeightPlanning:
         """The weights under ``min_numel`` from ``small_min_numel`` values (biases, norm
         layers) that have optimizer state, are not ``frozen`` (the watched model's frozen
         parameters) and hold no NaN or inf (such a tensor stays exact: the writer would
-        store it so anyway)."""
+        store it so anyway), nor only zeros and subnormal values (exact: a few bytes)."""
         return [
             i for i in layout.indices(TensorRole.WEIGHT)
             if i not in frozen and leaves[i].tensor.is_floating_point()
             and self.small_min_numel <= leaves[i].tensor.numel() < self.min_numel
             and layout.optimizer_state_of(i) and all_finite(leaves[i].tensor)
+            and not below_normal(leaves[i].tensor)
         ]
 
     def _plan_small_weights(

@@ -1,0 +1,294 @@
+"""Random training states through ``CheckpointManager`` with DynaQuant: never a crash, never garbage.
+
+Each example builds a random small model (linear and norm layers, fp32 / bf16 / fp16, some
+layers frozen), trains it with a random optimizer (Adam's and SGD's families, RMSprop,
+Adagrad; learning rates from 0 to 1), saves it 2-6 times under a random variant of the
+policy and `full_every`, and between saves damages a weight or an optimizer entry: NaN,
+±inf, zeroed, scaled far beyond its range, or a subnormal value. Every step is then
+restored by a fresh manager and checked:
+
+- structure, dtypes, shapes, non-float tensors and plain values exactly;
+- non-finite values at their positions (infinities exactly, NaN as NaN);
+- the finite rest within a bound of the tensor's own size: 0.6 of its norm for weights,
+  1.5 for optimizer moments (a pruned moment loses most of its entries by design), exactly
+  for tensors of norm zero; second-order statistics (8 log levels over whatever range they
+  span) for finiteness and sign only; a policy with ``evaluate`` for finiteness only, since
+  the user's metric, not a norm, decides what it may lose.
+
+The CI budget is a few dozen states; ``INSHRINK_FUZZ_EXAMPLES=2000 pytest
+tests/policies/test_dynaquant_random_states.py`` runs a long campaign.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from inshrinkerator import CheckpointManager
+from inshrinkerator.policies import DynaQuant
+from inshrinkerator.tree import flatten, format_key_path
+
+from .dynaquant_states import one_thread  # noqa: F401  (autouse fixture)
+
+_LONG = int(os.environ.get("INSHRINK_FUZZ_EXAMPLES", "0"))
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+OPTIMIZERS = ("adam", "adam-0.95", "adamw", "amsgrad", "nadam", "adamax", "sgd", "momentum",
+              "nesterov", "rmsprop", "rmsprop-momentum", "rmsprop-centered", "adagrad")
+DAMAGES = ("nan", "inf", "huge", "zero", "subnormal")
+#: Optimizer entries that hold second-order statistics (kept on log levels, or positive).
+SECOND_ORDER = ("exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum", "exp_inf")
+
+
+def abs_sum(state: dict[str, torch.Tensor]) -> float:
+    """A metric for ``evaluate``: the summed size of the finite floating weights."""
+    return float(sum(
+        v.float().abs().sum() for v in state.values() if v.is_floating_point() and torch.isfinite(v).all()
+    ))
+
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "tight": {"tolerance": 1e-6},
+    "loose": {"tolerance": 0.05},
+    "sticky": {"stickiness": 1.0},
+    "unpooled": {"pooled_error": False},
+    "cell-means": {"cell_means": True},
+    "no-residual": {"residual_error": None},
+    "sign-grouped": {"sign_grouped_changes": True},
+    "no-low-rank": {"low_rank_changes": False},
+    "no-carry": {"carry_error": 0.0},
+    "whole-first-moments": {"first_moment_keep": 1.0},
+    "factored": {"second_moment": "factored"},
+    "evaluate": {"evaluate": abs_sum},
+}
+
+
+@dataclass(frozen=True)
+class Damage:
+    target: str  # "weight" or "moment"
+    kind: str  # one of DAMAGES
+    pick: int  # which parameter or optimizer entry (modulo their count)
+
+
+@dataclass(frozen=True)
+class Save:
+    steps: int
+    damage: Optional[Damage]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    seed: int
+    width: int
+    layers: tuple[tuple[str, int, bool], ...]  # (kind, width out, bias)
+    dtype: str
+    frozen: int
+    optimizer: str
+    lr: float
+    variants: tuple[str, ...]
+    full_every: int
+    watch: bool
+    saves: tuple[Save, ...]
+
+
+def scenarios() -> st.SearchStrategy[Scenario]:
+    widths = st.sampled_from([1, 2, 3, 16, 33, 40, 64, 130, 200])
+    layer = st.tuples(st.sampled_from(["linear", "linear", "norm", "linear-relu"]), widths, st.booleans())
+    damage = st.builds(Damage, st.sampled_from(["weight", "weight", "moment"]), st.sampled_from(DAMAGES),
+                       st.integers(0, 20))
+    save = st.builds(Save, st.integers(1, 12), st.one_of(st.none(), st.none(), damage))
+    return st.builds(
+        Scenario,
+        seed=st.integers(0, 2**31 - 1),
+        width=widths,
+        layers=st.lists(layer, min_size=1, max_size=4).map(tuple),
+        dtype=st.sampled_from(["float32", "float32", "bfloat16", "float16"]),
+        frozen=st.sampled_from([0, 0, 0, 1, 2]),
+        optimizer=st.sampled_from(OPTIMIZERS),
+        lr=st.sampled_from([0.0, 1e-5, 1e-3, 1e-1, 1.0]),
+        variants=st.lists(st.sampled_from(sorted(VARIANTS)), max_size=2, unique=True).map(tuple),
+        full_every=st.sampled_from([1, 2, 10]),
+        watch=st.booleans(),
+        saves=st.lists(save, min_size=2, max_size=6).map(tuple),
+    )
+
+
+def build_model(scenario: Scenario) -> torch.nn.Module:
+    torch.manual_seed(scenario.seed)
+    layers: list[torch.nn.Module] = []
+    width = scenario.width
+    for kind, out, bias in scenario.layers:
+        if kind == "norm":
+            layers.append(torch.nn.LayerNorm(width, elementwise_affine=True, bias=bias))
+            continue
+        layers.append(torch.nn.Linear(width, out, bias=bias))
+        if kind == "linear-relu":
+            layers.append(torch.nn.ReLU())
+        width = out
+    model = torch.nn.Sequential(*layers).to(DTYPES[scenario.dtype])
+    for parameter in list(model.parameters())[: scenario.frozen]:
+        parameter.requires_grad_(False)
+    return model
+
+
+def build_optimizer(name: str, lr: float, parameters: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    optim = torch.optim
+    makers = {
+        "adam": lambda: optim.Adam(parameters, lr=lr),
+        "adam-0.95": lambda: optim.Adam(parameters, lr=lr, betas=(0.9, 0.95)),
+        "adamw": lambda: optim.AdamW(parameters, lr=lr),
+        "amsgrad": lambda: optim.Adam(parameters, lr=lr, amsgrad=True),
+        "nadam": lambda: optim.NAdam(parameters, lr=lr),
+        "adamax": lambda: optim.Adamax(parameters, lr=lr),
+        "sgd": lambda: optim.SGD(parameters, lr=lr),
+        "momentum": lambda: optim.SGD(parameters, lr=lr, momentum=0.9),
+        "nesterov": lambda: optim.SGD(parameters, lr=lr, momentum=0.9, nesterov=True),
+        "rmsprop": lambda: optim.RMSprop(parameters, lr=lr),
+        "rmsprop-momentum": lambda: optim.RMSprop(parameters, lr=lr, momentum=0.9),
+        "rmsprop-centered": lambda: optim.RMSprop(parameters, lr=lr, centered=True),
+        "adagrad": lambda: optim.Adagrad(parameters, lr=lr),
+    }
+    return makers[name]()
+
+
+@torch.no_grad()
+def apply_damage(damage: Damage, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    half = next(model.parameters()).dtype != torch.float32
+    if damage.target == "weight":
+        parameters = list(model.parameters())
+        target = parameters[damage.pick % len(parameters)]
+    else:
+        entries = [
+            value for per_parameter in optimizer.state.values() for value in per_parameter.values()
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel() > 1
+        ]
+        if not entries:
+            return
+        target = entries[damage.pick % len(entries)]
+    flat = target.view(-1)
+    if damage.kind == "nan":
+        flat[0] = float("nan")
+    elif damage.kind == "inf":
+        flat[-1] = float("inf")
+    elif damage.kind == "huge":
+        target.mul_(1e3 if half else 1e30 if damage.target == "weight" else 1e20)
+    elif damage.kind == "zero":
+        target.zero_()
+    else:
+        flat[0] = 1e-7 if half else 1e-42
+
+
+def clone(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {key: clone(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(clone(item) for item in value)
+    return value
+
+
+def run(scenario: Scenario, folder: Path) -> dict[int, tuple[Any, Any]]:
+    """Train and save as ``scenario`` says; step -> (state saved, state restored)."""
+    model = build_model(scenario)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = build_optimizer(scenario.optimizer, scenario.lr, trained or [torch.nn.Parameter(torch.zeros(2))])
+    knobs: dict[str, Any] = {}
+    for name in scenario.variants:
+        knobs.update(VARIANTS[name])
+    policy = DynaQuant(**knobs)
+    generator = torch.Generator().manual_seed(scenario.seed)
+    saved: dict[int, Any] = {}
+    step = 0
+    with CheckpointManager(folder, policy=policy, full_every=scenario.full_every) as manager:
+        if scenario.watch:
+            manager.watch(model)
+        for plan in scenario.saves:
+            for _ in range(plan.steps):
+                rows = int(torch.randint(1, 9, (), generator=generator))
+                x = torch.randn(rows, scenario.width, generator=generator).to(DTYPES[scenario.dtype])
+                loss = model(x).float().pow(2).mean()
+                optimizer.zero_grad()
+                if loss.requires_grad:
+                    loss.backward()
+                optimizer.step()
+                step += 1
+            if plan.damage is not None:
+                apply_damage(plan.damage, model, optimizer)
+            state = {"model": clone(model.state_dict()), "optimizer": clone(optimizer.state_dict()), "step": step}
+            manager.save(step, state)
+            saved[step] = state
+    with CheckpointManager(folder, policy=policy, full_every=scenario.full_every) as manager:
+        return {step: (state, manager.load(step)) for step, state in saved.items()}
+
+
+def problems(saved: Any, restored: Any, judged_by_metric: bool) -> list[str]:
+    """What breaks the module's promises between one saved state and its restore."""
+    before, after = flatten(saved), flatten(restored)
+    if before.skeleton != after.skeleton:
+        return ["the structure or a plain value changed"]
+    found = []
+    for leaf, back in zip(before.tensors, after.tensors):
+        name = format_key_path(leaf.path)
+        found.extend(f"{name}: {issue}" for issue in tensor_problems(name, leaf.tensor, back.tensor, judged_by_metric))
+    return found
+
+
+def tensor_problems(name: str, saved: torch.Tensor, restored: torch.Tensor, judged_by_metric: bool) -> list[str]:
+    if (saved.dtype, saved.shape) != (restored.dtype, restored.shape):
+        return [f"{restored.dtype}{list(restored.shape)} restored for {saved.dtype}{list(saved.shape)}"]
+    if not saved.is_floating_point():
+        return [] if torch.equal(saved, restored) else ["a non-float tensor changed"]
+    a, b = saved.double(), restored.double()
+    finite = torch.isfinite(a)
+    if not torch.equal(finite, torch.isfinite(b)):
+        return [f"{int((~finite).sum())} non-finite values saved, {int((~torch.isfinite(b)).sum())} restored"]
+    if not torch.equal(a[~finite].nan_to_num(nan=7.0), b[~finite].nan_to_num(nan=7.0)):
+        return ["a non-finite value changed"]
+    second_order = name.rsplit("/", 1)[-1] in SECOND_ORDER and name.startswith("optimizer/")
+    if second_order and bool((b[finite] < 0).any()):
+        return ["a second-order statistic restored negative"]
+    if judged_by_metric or second_order or not finite.any():
+        return []
+    size, error = float(a[finite].norm()), float((a[finite] - b[finite]).norm())
+    if size == 0:
+        return [] if error == 0 else [f"a tensor of zeros restored with norm {error:.3g}"]
+    bound = 0.6 if name.startswith("model/") else 1.5
+    return [] if error <= bound * size else [f"relative error {error / size:.3g} above {bound}"]
+
+
+@settings(
+    max_examples=_LONG or 40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large],
+    database=None,
+)
+@given(scenario=scenarios())
+def test_random_states_restore_within_their_bounds(scenario: Scenario, tmp_path_factory: Any) -> None:
+    folder = tmp_path_factory.mktemp("run") / "run"
+    for step, (saved, restored) in run(scenario, folder).items():
+        found = problems(saved, restored, "evaluate" in scenario.variants)
+        assert found == [], f"step {step}: {found}"
+
+
+def test_the_checks_catch_what_they_guard() -> None:
+    """Control: each kind of broken restore is reported."""
+    weight = torch.tensor([1.0, -2.0, float("nan"), float("inf")])
+    assert tensor_problems("model/w", weight, weight.clone(), False) == []
+    assert tensor_problems("model/w", weight, torch.tensor([1.0, -2.0, 0.0, float("inf")]), False)
+    assert tensor_problems("model/w", weight, torch.tensor([1.0, -2.0, float("nan"), -math.inf]), False)
+    assert tensor_problems("model/w", weight, torch.tensor([-1.0, 2.0, float("nan"), math.inf]), False)
+    assert tensor_problems("model/w", torch.zeros(3), torch.tensor([0.0, 1e-3, 0.0]), False)
+    assert tensor_problems("model/w", weight, weight.half(), False)
+    assert tensor_problems("optimizer/state/0/exp_avg_sq", torch.ones(3), torch.tensor([1.0, -1e-9, 1.0]), False)
+    assert tensor_problems("optimizer/state/0/exp_avg_sq", torch.ones(3), torch.full((3,), 40.0), False) == []
+    assert tensor_problems("optimizer/state/0/exp_avg", torch.ones(3), -torch.ones(3), False)
+    assert tensor_problems("model/w", torch.ones(3), -torch.ones(3), True) == []
+    assert problems({"step": 1, "w": torch.ones(2)}, {"step": 2, "w": torch.ones(2)}, False)
