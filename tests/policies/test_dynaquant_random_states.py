@@ -1,11 +1,12 @@
 """Random training states through ``CheckpointManager`` with DynaQuant: never a crash, never garbage.
 
-Each example builds a random small model (linear and norm layers, fp32 / bf16 / fp16, some
-layers frozen), trains it with a random optimizer (Adam's and SGD's families, RMSprop,
-Adagrad; learning rates from 0 to 1), saves it 2-6 times under a random variant of the
-policy and `full_every`, and between saves damages a weight or an optimizer entry: NaN,
-±inf, zeroed, scaled far beyond its range, or a subnormal value. Every step is then
-restored by a fresh manager and checked:
+Each example builds a random small model (linear and norm layers, perhaps an embedding, an
+output layer tied to it and a convolution; fp32 / bf16 / fp16; some layers frozen), trains
+it with a random optimizer (Adam's and SGD's families, RMSprop, Adagrad; learning rates
+from 0 to 1; one or two param groups), saves it 2-6 times (synchronously or not) under a
+random variant of the policy and `full_every`, and between saves damages a weight or an
+optimizer entry: NaN, ±inf, zeroed, scaled far beyond its range, or a subnormal value.
+Every step is then restored by a fresh manager and checked:
 
 - structure, dtypes, shapes, non-float tensors and plain values exactly;
 - non-finite values at their positions (infinities exactly, NaN as NaN);
@@ -96,6 +97,11 @@ class Scenario:
     full_every: int
     watch: bool
     saves: tuple[Save, ...]
+    vocab: int = 0  # an embedding of this many rows added to the input (0: none)
+    tied: bool = False  # an output layer sharing the embedding's weight
+    conv: bool = False  # a Conv1d over the input added to it
+    two_groups: bool = False  # the trained parameters in two param groups
+    async_save: bool = False
 
 
 def scenarios() -> st.SearchStrategy[Scenario]:
@@ -117,29 +123,63 @@ def scenarios() -> st.SearchStrategy[Scenario]:
         full_every=st.sampled_from([1, 2, 10]),
         watch=st.booleans(),
         saves=st.lists(save, min_size=2, max_size=6).map(tuple),
+        vocab=st.sampled_from([0, 0, 5, 40, 300]),
+        tied=st.booleans(),
+        conv=st.booleans(),
+        two_groups=st.booleans(),
+        async_save=st.booleans(),
     )
+
+
+class RandomNet(torch.nn.Module):
+    """The scenario's layers over its input, plus an embedding of token ids (perhaps tied
+    to an output layer) and a convolution, each added to the input."""
+
+    def __init__(self, scenario: Scenario) -> None:
+        super().__init__()
+        layers: list[torch.nn.Module] = []
+        width = scenario.width
+        for kind, out, bias in scenario.layers:
+            if kind == "norm":
+                layers.append(torch.nn.LayerNorm(width, elementwise_affine=True, bias=bias))
+                continue
+            layers.append(torch.nn.Linear(width, out, bias=bias))
+            if kind == "linear-relu":
+                layers.append(torch.nn.ReLU())
+            width = out
+        self.body = torch.nn.Sequential(*layers)
+        self.embedding = torch.nn.Embedding(scenario.vocab, scenario.width) if scenario.vocab else None
+        self.head = None
+        if self.embedding is not None and scenario.tied:
+            self.head = torch.nn.Linear(scenario.width, scenario.vocab, bias=False)
+            self.head.weight = self.embedding.weight
+        self.conv = torch.nn.Conv1d(1, 4, 3, padding=1) if scenario.conv else None
+
+    def forward(self, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if self.embedding is not None:
+            x = x + self.embedding(ids % self.embedding.num_embeddings)
+        if self.conv is not None:
+            x = x + self.conv(x.unsqueeze(1)).mean(dim=1)
+        loss = self.body(x).float().pow(2).mean()
+        if self.head is not None:
+            loss = loss + self.head(x).float().pow(2).mean()
+        return loss
 
 
 def build_model(scenario: Scenario) -> torch.nn.Module:
     torch.manual_seed(scenario.seed)
-    layers: list[torch.nn.Module] = []
-    width = scenario.width
-    for kind, out, bias in scenario.layers:
-        if kind == "norm":
-            layers.append(torch.nn.LayerNorm(width, elementwise_affine=True, bias=bias))
-            continue
-        layers.append(torch.nn.Linear(width, out, bias=bias))
-        if kind == "linear-relu":
-            layers.append(torch.nn.ReLU())
-        width = out
-    model = torch.nn.Sequential(*layers).to(DTYPES[scenario.dtype])
+    model = RandomNet(scenario).to(DTYPES[scenario.dtype])
     for parameter in list(model.parameters())[: scenario.frozen]:
         parameter.requires_grad_(False)
     return model
 
 
-def build_optimizer(name: str, lr: float, parameters: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+def build_optimizer(name: str, lr: float, trained: list[torch.nn.Parameter], two_groups: bool) -> torch.optim.Optimizer:
     optim = torch.optim
+    parameters: Any = trained
+    if two_groups and len(trained) > 1:
+        half = len(trained) // 2
+        parameters = [{"params": trained[:half]}, {"params": trained[half:], "lr": lr / 10}]
     makers = {
         "adam": lambda: optim.Adam(parameters, lr=lr),
         "adam-0.95": lambda: optim.Adam(parameters, lr=lr, betas=(0.9, 0.95)),
@@ -185,13 +225,18 @@ def apply_damage(damage: Damage, model: torch.nn.Module, optimizer: torch.optim.
         flat[0] = 1e-7 if half else 1e-42
 
 
-def clone(value: Any) -> Any:
+def clone(value: Any, seen: Optional[dict[tuple[Any, ...], torch.Tensor]] = None) -> Any:
+    """A deep copy in which views of the same memory (tied weights) stay one tensor."""
+    seen = {} if seen is None else seen
     if isinstance(value, torch.Tensor):
-        return value.clone()
+        key = (value.data_ptr(), value.dtype, tuple(value.shape), value.stride())
+        if key not in seen:
+            seen[key] = value.clone()
+        return seen[key]
     if isinstance(value, dict):
-        return {key: clone(item) for key, item in value.items()}
+        return {key: clone(item, seen) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(clone(item) for item in value)
+        return type(value)(clone(item, seen) for item in value)
     return value
 
 
@@ -199,7 +244,9 @@ def run(scenario: Scenario, folder: Path) -> dict[int, tuple[Any, Any]]:
     """Train and save as ``scenario`` says; step -> (state saved, state restored)."""
     model = build_model(scenario)
     trained = [p for p in model.parameters() if p.requires_grad]
-    optimizer = build_optimizer(scenario.optimizer, scenario.lr, trained or [torch.nn.Parameter(torch.zeros(2))])
+    optimizer = build_optimizer(
+        scenario.optimizer, scenario.lr, trained or [torch.nn.Parameter(torch.zeros(2))], scenario.two_groups
+    )
     knobs: dict[str, Any] = {}
     for name in scenario.variants:
         knobs.update(VARIANTS[name])
@@ -207,14 +254,16 @@ def run(scenario: Scenario, folder: Path) -> dict[int, tuple[Any, Any]]:
     generator = torch.Generator().manual_seed(scenario.seed)
     saved: dict[int, Any] = {}
     step = 0
-    with CheckpointManager(folder, policy=policy, full_every=scenario.full_every) as manager:
+    with CheckpointManager(
+        folder, policy=policy, full_every=scenario.full_every, async_save=scenario.async_save
+    ) as manager:
         if scenario.watch:
             manager.watch(model)
         for plan in scenario.saves:
             for _ in range(plan.steps):
                 rows = int(torch.randint(1, 9, (), generator=generator))
                 x = torch.randn(rows, scenario.width, generator=generator).to(DTYPES[scenario.dtype])
-                loss = model(x).float().pow(2).mean()
+                loss = model(torch.randint(0, 1000, (rows,), generator=generator), x)
                 optimizer.zero_grad()
                 if loss.requires_grad:
                     loss.backward()
