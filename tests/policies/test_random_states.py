@@ -1,4 +1,4 @@
-"""Random training states through ``CheckpointManager`` with DynaQuant: never a crash, never garbage.
+"""Random training states through ``CheckpointManager``: never a crash, never garbage.
 
 Each example builds a random small model (linear and norm layers, perhaps an embedding, an
 output layer tied to it and a convolution; fp32 / bf16 / fp16; some layers frozen), trains
@@ -16,8 +16,15 @@ Every step is then restored by a fresh manager and checked:
   span) for finiteness and sign only; a policy with ``evaluate`` for finiteness only, since
   the user's metric, not a norm, decides what it may lose.
 
+The baselines (LC-Checkpoint, ExCP, Check-N-Run, QD) take the same states for the checks
+that hold whatever a policy's errors: structure, exact non-float values, non-finite values
+in place, finite values finite and second-order statistics not negative. Their errors are
+the papers': LC-Checkpoint's buckets, for one, round a change to powers of two, so a
+weight much smaller than its change (zeroed, then trained a few steps) comes back with an
+error many times its own size until a later delta takes it back.
+
 The CI budget is a few dozen states; ``INSHRINK_FUZZ_EXAMPLES=2000 pytest
-tests/policies/test_dynaquant_random_states.py`` runs a long campaign.
+tests/policies/test_random_states.py`` runs a long campaign.
 """
 
 from __future__ import annotations
@@ -28,12 +35,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from inshrinkerator import CheckpointManager
-from inshrinkerator.policies import DynaQuant
+from inshrinkerator.policies import DynaQuant, Policy, resolve_policy
 from inshrinkerator.tree import flatten, format_key_path
 
 from .dynaquant_states import one_thread  # noqa: F401  (autouse fixture)
@@ -44,6 +52,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 OPTIMIZERS = ("adam", "adam-0.95", "adamw", "amsgrad", "nadam", "adamax", "sgd", "momentum",
               "nesterov", "rmsprop", "rmsprop-momentum", "rmsprop-centered", "adagrad")
 DAMAGES = ("nan", "inf", "huge", "zero", "subnormal")
+BASELINES = ("lc-checkpoint", "excp", "cnr", "qd")
 #: Optimizer entries that hold second-order statistics (kept on log levels, or positive).
 SECOND_ORDER = ("exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum", "exp_inf")
 
@@ -240,17 +249,19 @@ def clone(value: Any, seen: Optional[dict[tuple[Any, ...], torch.Tensor]] = None
     return value
 
 
-def run(scenario: Scenario, folder: Path) -> dict[int, tuple[Any, Any]]:
-    """Train and save as ``scenario`` says; step -> (state saved, state restored)."""
+def run(scenario: Scenario, folder: Path, policy: Optional[Policy] = None) -> dict[int, tuple[Any, Any]]:
+    """Train and save as ``scenario`` says, under ``policy`` (default: DynaQuant with the
+    scenario's variants); step -> (state saved, state restored)."""
     model = build_model(scenario)
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(
         scenario.optimizer, scenario.lr, trained or [torch.nn.Parameter(torch.zeros(2))], scenario.two_groups
     )
-    knobs: dict[str, Any] = {}
-    for name in scenario.variants:
-        knobs.update(VARIANTS[name])
-    policy = DynaQuant(**knobs)
+    if policy is None:
+        knobs: dict[str, Any] = {}
+        for name in scenario.variants:
+            knobs.update(VARIANTS[name])
+        policy = DynaQuant(**knobs)
     generator = torch.Generator().manual_seed(scenario.seed)
     saved: dict[int, Any] = {}
     step = 0
@@ -278,19 +289,20 @@ def run(scenario: Scenario, folder: Path) -> dict[int, tuple[Any, Any]]:
         return {step: (state, manager.load(step)) for step, state in saved.items()}
 
 
-def problems(saved: Any, restored: Any, judged_by_metric: bool) -> list[str]:
-    """What breaks the module's promises between one saved state and its restore."""
+def problems(saved: Any, restored: Any, bounded: bool = True) -> list[str]:
+    """What breaks the module's promises between one saved state and its restore
+    (``bounded``: with the bounds on the finite values' errors)."""
     before, after = flatten(saved), flatten(restored)
     if before.skeleton != after.skeleton:
         return ["the structure or a plain value changed"]
     found = []
     for leaf, back in zip(before.tensors, after.tensors):
         name = format_key_path(leaf.path)
-        found.extend(f"{name}: {issue}" for issue in tensor_problems(name, leaf.tensor, back.tensor, judged_by_metric))
+        found.extend(f"{name}: {issue}" for issue in tensor_problems(name, leaf.tensor, back.tensor, bounded))
     return found
 
 
-def tensor_problems(name: str, saved: torch.Tensor, restored: torch.Tensor, judged_by_metric: bool) -> list[str]:
+def tensor_problems(name: str, saved: torch.Tensor, restored: torch.Tensor, bounded: bool = True) -> list[str]:
     if (saved.dtype, saved.shape) != (restored.dtype, restored.shape):
         return [f"{restored.dtype}{list(restored.shape)} restored for {saved.dtype}{list(saved.shape)}"]
     if not saved.is_floating_point():
@@ -304,7 +316,7 @@ def tensor_problems(name: str, saved: torch.Tensor, restored: torch.Tensor, judg
     second_order = name.rsplit("/", 1)[-1] in SECOND_ORDER and name.startswith("optimizer/")
     if second_order and bool((b[finite] < 0).any()):
         return ["a second-order statistic restored negative"]
-    if judged_by_metric or second_order or not finite.any():
+    if not bounded or second_order or not finite.any():
         return []
     size, error = float(a[finite].norm()), float((a[finite] - b[finite]).norm())
     if size == 0:
@@ -323,21 +335,37 @@ def tensor_problems(name: str, saved: torch.Tensor, restored: torch.Tensor, judg
 def test_random_states_restore_within_their_bounds(scenario: Scenario, tmp_path_factory: Any) -> None:
     folder = tmp_path_factory.mktemp("run") / "run"
     for step, (saved, restored) in run(scenario, folder).items():
-        found = problems(saved, restored, "evaluate" in scenario.variants)
+        found = problems(saved, restored, bounded="evaluate" not in scenario.variants)
+        assert found == [], f"step {step}: {found}"
+
+
+@pytest.mark.parametrize("policy", BASELINES)
+@settings(
+    max_examples=_LONG // 4 or 10,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large],
+    database=None,
+)
+@given(scenario=scenarios())
+def test_random_states_through_the_baselines(policy: str, scenario: Scenario, tmp_path_factory: Any) -> None:
+    folder = tmp_path_factory.mktemp("run") / "run"
+    for step, (saved, restored) in run(scenario, folder, resolve_policy(policy)).items():
+        found = problems(saved, restored, bounded=False)
         assert found == [], f"step {step}: {found}"
 
 
 def test_the_checks_catch_what_they_guard() -> None:
     """Control: each kind of broken restore is reported."""
     weight = torch.tensor([1.0, -2.0, float("nan"), float("inf")])
-    assert tensor_problems("model/w", weight, weight.clone(), False) == []
-    assert tensor_problems("model/w", weight, torch.tensor([1.0, -2.0, 0.0, float("inf")]), False)
-    assert tensor_problems("model/w", weight, torch.tensor([1.0, -2.0, float("nan"), -math.inf]), False)
-    assert tensor_problems("model/w", weight, torch.tensor([-1.0, 2.0, float("nan"), math.inf]), False)
-    assert tensor_problems("model/w", torch.zeros(3), torch.tensor([0.0, 1e-3, 0.0]), False)
-    assert tensor_problems("model/w", weight, weight.half(), False)
-    assert tensor_problems("optimizer/state/0/exp_avg_sq", torch.ones(3), torch.tensor([1.0, -1e-9, 1.0]), False)
-    assert tensor_problems("optimizer/state/0/exp_avg_sq", torch.ones(3), torch.full((3,), 40.0), False) == []
-    assert tensor_problems("optimizer/state/0/exp_avg", torch.ones(3), -torch.ones(3), False)
-    assert tensor_problems("model/w", torch.ones(3), -torch.ones(3), True) == []
-    assert problems({"step": 1, "w": torch.ones(2)}, {"step": 2, "w": torch.ones(2)}, False)
+    assert tensor_problems("model/w", weight, weight.clone()) == []
+    assert tensor_problems("model/w", weight, torch.tensor([1.0, -2.0, 0.0, float("inf")]))
+    assert tensor_problems("model/w", weight, torch.tensor([1.0, -2.0, float("nan"), -math.inf]))
+    assert tensor_problems("model/w", weight, torch.tensor([-1.0, 2.0, float("nan"), math.inf]))
+    assert tensor_problems("model/w", torch.zeros(3), torch.tensor([0.0, 1e-3, 0.0]))
+    assert tensor_problems("model/w", weight, weight.half())
+    assert tensor_problems("optimizer/state/0/exp_avg_sq", torch.ones(3), torch.tensor([1.0, -1e-9, 1.0]))
+    assert tensor_problems("optimizer/state/0/exp_avg_sq", torch.ones(3), torch.full((3,), 40.0)) == []
+    assert tensor_problems("optimizer/state/0/exp_avg", torch.ones(3), -torch.ones(3))
+    assert tensor_problems("model/w", torch.ones(3), -torch.ones(3), bounded=False) == []
+    assert tensor_problems("model/w", torch.ones(3), torch.tensor([1.0, math.nan, 1.0]), bounded=False)
+    assert problems({"step": 1, "w": torch.ones(2)}, {"step": 2, "w": torch.ones(2)})
