@@ -3,10 +3,11 @@
 Each example builds a random small model (linear and norm layers, perhaps an embedding, an
 output layer tied to it and a convolution; fp32 / bf16 / fp16; some layers frozen), trains
 it with a random optimizer (Adam's and SGD's families, RMSprop, Adagrad; learning rates
-from 0 to 1; one or two param groups), saves it 2-6 times (synchronously or not) under a
-random variant of the policy and `full_every`, and between saves damages a weight or an
-optimizer entry: NaN, ±inf, zeroed, scaled far beyond its range, or a subnormal value.
-Every step is then restored by a fresh manager and checked:
+from 0 to 1; one or two param groups), saves it 2-6 times (synchronously or not; some
+saves by a new manager and policy, as after a restart) under a random variant of the
+policy and `full_every`, and between saves damages a weight or an optimizer entry: NaN,
+±inf, zeroed, scaled far beyond its range, or a subnormal value. Every step is then
+restored by a fresh manager and checked:
 
 - structure, dtypes, shapes, non-float tensors and plain values exactly;
 - non-finite values at their positions (infinities exactly, NaN as NaN);
@@ -41,7 +42,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from inshrinkerator import CheckpointManager
-from inshrinkerator.policies import DynaQuant, Policy, resolve_policy
+from inshrinkerator.policies import DynaQuant, resolve_policy
 from inshrinkerator.tree import flatten, format_key_path
 
 from .dynaquant_states import one_thread  # noqa: F401  (autouse fixture)
@@ -91,6 +92,7 @@ class Damage:
 class Save:
     steps: int
     damage: Optional[Damage]
+    reopen: bool = False  # saved by a new manager and policy, as after a restart
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,7 @@ def scenarios() -> st.SearchStrategy[Scenario]:
     layer = st.tuples(st.sampled_from(["linear", "linear", "norm", "linear-relu"]), widths, st.booleans())
     damage = st.builds(Damage, st.sampled_from(["weight", "weight", "moment"]), st.sampled_from(DAMAGES),
                        st.integers(0, 20))
-    save = st.builds(Save, st.integers(1, 12), st.one_of(st.none(), st.none(), damage))
+    save = st.builds(Save, st.integers(1, 12), st.one_of(st.none(), st.none(), damage), st.booleans())
     return st.builds(
         Scenario,
         seed=st.integers(0, 2**31 - 1),
@@ -249,28 +251,36 @@ def clone(value: Any, seen: Optional[dict[tuple[Any, ...], torch.Tensor]] = None
     return value
 
 
-def run(scenario: Scenario, folder: Path, policy: Optional[Policy] = None) -> dict[int, tuple[Any, Any]]:
-    """Train and save as ``scenario`` says, under ``policy`` (default: DynaQuant with the
-    scenario's variants); step -> (state saved, state restored)."""
+def run(scenario: Scenario, folder: Path, policy: Optional[str] = None) -> dict[int, tuple[Any, Any]]:
+    """Train and save as ``scenario`` says, under the policy named ``policy`` (default:
+    DynaQuant with the scenario's variants); step -> (state saved, state restored)."""
     model = build_model(scenario)
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(
         scenario.optimizer, scenario.lr, trained or [torch.nn.Parameter(torch.zeros(2))], scenario.two_groups
     )
-    if policy is None:
+
+    def open_manager() -> CheckpointManager:
         knobs: dict[str, Any] = {}
         for name in scenario.variants:
             knobs.update(VARIANTS[name])
-        policy = DynaQuant(**knobs)
+        fresh = CheckpointManager(
+            folder, policy=resolve_policy(policy) if policy else DynaQuant(**knobs),
+            full_every=scenario.full_every, async_save=scenario.async_save,
+        )
+        if scenario.watch:
+            fresh.watch(model)
+        return fresh
+
     generator = torch.Generator().manual_seed(scenario.seed)
     saved: dict[int, Any] = {}
     step = 0
-    with CheckpointManager(
-        folder, policy=policy, full_every=scenario.full_every, async_save=scenario.async_save
-    ) as manager:
-        if scenario.watch:
-            manager.watch(model)
+    manager = open_manager()
+    try:
         for plan in scenario.saves:
+            if plan.reopen:
+                manager.close()
+                manager = open_manager()
             for _ in range(plan.steps):
                 rows = int(torch.randint(1, 9, (), generator=generator))
                 x = torch.randn(rows, scenario.width, generator=generator).to(DTYPES[scenario.dtype])
@@ -285,7 +295,9 @@ def run(scenario: Scenario, folder: Path, policy: Optional[Policy] = None) -> di
             state = {"model": clone(model.state_dict()), "optimizer": clone(optimizer.state_dict()), "step": step}
             manager.save(step, state)
             saved[step] = state
-    with CheckpointManager(folder, policy=policy, full_every=scenario.full_every) as manager:
+    finally:
+        manager.close()
+    with CheckpointManager(folder) as manager:
         return {step: (state, manager.load(step)) for step, state in saved.items()}
 
 
@@ -349,7 +361,7 @@ def test_random_states_restore_within_their_bounds(scenario: Scenario, tmp_path_
 @given(scenario=scenarios())
 def test_random_states_through_the_baselines(policy: str, scenario: Scenario, tmp_path_factory: Any) -> None:
     folder = tmp_path_factory.mktemp("run") / "run"
-    for step, (saved, restored) in run(scenario, folder, resolve_policy(policy)).items():
+    for step, (saved, restored) in run(scenario, folder, policy).items():
         found = problems(saved, restored, bounded=False)
         assert found == [], f"step {step}: {found}"
 
