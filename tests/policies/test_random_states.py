@@ -48,6 +48,8 @@ from inshrinkerator.tree import flatten, format_key_path
 from .dynaquant_states import one_thread  # noqa: F401  (autouse fixture)
 
 _LONG = int(os.environ.get("INSHRINK_FUZZ_EXAMPLES", "0"))
+#: A long campaign runs for as long as it takes (the suite's per-test timeout is for CI).
+pytestmark = [pytest.mark.timeout(0)] if _LONG else []
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 OPTIMIZERS = ("adam", "adam-0.95", "adamw", "amsgrad", "nadam", "adamax", "sgd", "momentum",
