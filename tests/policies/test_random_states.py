@@ -80,6 +80,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "whole-first-moments": {"first_moment_keep": 1.0},
     "factored": {"second_moment": "factored"},
     "evaluate": {"evaluate": abs_sum},
+    # Moments pruned at every save (by default only 30+ steps after the last checkpoint,
+    # more than these runs train between saves): masks, joint masks, low-rank products.
+    "prune-always": {"first_moment_keep_after": 0},
+    "fine-budgets": {"small_weight_error": 1e-12, "first_moment_error": 1e-9, "first_moment_keep": 1.0},
+    "coarse-levels": {"bins": (3,), "moment_bins": 1, "second_moment_bins": 2, "residual_bins": (1,)},
+    "small-tensors-too": {"min_numel": 16, "moment_min_numel": 1, "small_min_numel": 1},
 }
 
 

@@ -19,11 +19,21 @@ from ..codecs._numpy_paths import select
 from ..codecs._parallel import parallel_map_sized
 from ..codecs.base import Encoded
 from ..codecs.bucket_delta import EntropyStats
-from ..codecs.dynaquant import LATTICE_DIVISIONS, DynaQuantCodec, DynaQuantDeltaCodec, magnitude_thresholds
-from ..codecs.dynaquant_context import DynaQuantGroupedCodec, DynaQuantMaskedCodec, DynaQuantMaskedDeltaCodec
+from ..codecs.dynaquant import (
+    LATTICE_DIVISIONS,
+    DynaQuantCodec,
+    DynaQuantDeltaCodec,
+    magnitude_thresholds,
+)
+from ..codecs.dynaquant_context import (
+    DynaQuantGroupedCodec,
+    DynaQuantMaskedCodec,
+    DynaQuantMaskedDeltaCodec,
+)
 from ..codecs.factored_moment import FactoredMomentCodec, factored_shape
 from ..codecs.log_lattice import lattice_range, lattice_values
 from ..codecs.log_sketch import MAGNITUDE_KEYS, SIGNED_KEYS, magnitude_keys, signed_keys
+from ..codecs.lossy_input import all_finite
 from ..codecs.low_rank import (
     FACTOR_BITS,
     MIN_SIDE,
@@ -34,12 +44,13 @@ from ..codecs.low_rank import (
     matrix_shape,
     step_scale,
 )
-from ..codecs.passes import key_counts
 from ..codecs.nonuniform_quantizer import FIRST_NON_FINITE_KEY, LOG, LevelTable, fit_centroids_batch
+from ..codecs.passes import key_counts
 from ..tree import TensorLeaf, format_key_path
 from .base import encoded_size, leaf_nbytes, usable_reference
-from .even_levels import change_plan, even_levels, spread
+from .even_levels import change_plan, even_levels, levels_reach, spread
 from .first_moment_levels import zero_level_hints_batch
+from .lossless import Lossless
 from .quantization_trials import quantile_key
 from .state_layout import StateLayout, TensorRole
 
@@ -67,6 +78,13 @@ FIRST_MOMENT_LOW_RANK_MARGIN = 0.15
 _KEPT_ENTRY_BITS = 2.0
 #: The same for an Adam first moment's kept entry (``moment_bins`` = 8 levels).
 _KEPT_FIRST_MOMENT_BITS = 3.0
+#: The largest step ``|m| / (sqrt(v) + eps)`` a first moment stored as a product of its
+#: steps may have. Adam's own keep below ``(1 - b1) / sqrt((1 - b2) (1 - b1^2 / b2))``
+#: (7.3 for the default betas, by Cauchy-Schwarz over the gradients' history); far larger
+#: ones mean a second moment that underflowed (fp16) or was damaged, whose outsized steps
+#: would take over the product and, scaled back, spread errors of thousands of times the
+#: moment over the rest of it.
+MAX_PRODUCT_STEP = 1e3
 #: Level-count factor of the moments of tensors under ``min_numel`` (biases, norm layers).
 SMALL_MOMENT_LEVEL_FACTOR = 2
 #: The share of its squared size an Adam first moment under ``min_numel`` loses on its
@@ -231,6 +249,9 @@ class MomentPlanning:
                 and leaves[second].tensor.shape == leaves[index].tensor.shape
                 and not self._factored(leaves[second].tensor)
                 and shape is not None and min(shape) >= MIN_SIDE
+                # The product is scaled by the stored second moment: an inf or NaN there
+                # (kept exact) would turn a finite first moment's entry into inf or NaN.
+                and all_finite(leaves[second].tensor)
             ):
                 pairs.append((index, second, shape))
 
@@ -239,6 +260,8 @@ class MomentPlanning:
             steps = leaves[index].tensor.detach().reshape(-1).float() / step_scale(
                 leaves[second].tensor.detach().reshape(-1), torch.float32
             )
+            if not bool(steps.abs().max() <= MAX_PRODUCT_STEP):
+                return None
             return _product_within_pruning(steps, shape, keep, _KEPT_FIRST_MOMENT_BITS)
 
         chosen = parallel_map_sized(factors_of, pairs, [leaf_nbytes(leaves[index]) for index, _, _ in pairs])
@@ -290,7 +313,7 @@ class MomentPlanning:
             indices, [leaf_nbytes(leaves[i]) for i in indices],
         )
         for index, (histogram, rms, largest, factors) in zip(indices, plans):
-            if factors is None:
+            if factors is None or not levels_reach(rms, largest, error):
                 continue
             grouped: DynaQuantGroupedCodec = codecs[index]  # type: ignore[assignment]
             centroids, prune_below = even_levels(rms, largest, error)
@@ -373,7 +396,12 @@ class MomentPlanning:
                 # Every entry kept: evenly spaced levels, with the zero cell below half a step
                 # (a small moment's finer, and stored as their step instead of a table).
                 error = min(SMALL_MOMENT_ERROR, self.first_moment_error) if small_first else self.first_moment_error
-                centroids, prune_below = even_levels(*spread(tensor.reshape(-1).float()), error)
+                rms, largest = spread(tensor.reshape(-1).float())
+                if not levels_reach(rms, largest, error):
+                    # A budget finer than MAX_EVEN_LEVELS steps can span: exact instead
+                    # (levels that stop short would clip the largest entries).
+                    return Lossless().plan([leaves[index]], [references[index]])[0]
+                centroids, prune_below = even_levels(rms, largest, error)
                 extra, zero_levels = {"centroids": centroids, "prune_below": prune_below}, None
             else:
                 extra, zero_levels = self._first_moment_hints(tensor, counts, role, partner, keep, bins, joint_mask)

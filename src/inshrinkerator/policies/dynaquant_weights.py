@@ -179,7 +179,10 @@ class WeightPlanning:
             return chosen
         for index in (i for i in small if i not in against):
             tensor = leaves[index].tensor.detach()
-            centroids, prune_below = even_levels(*spread(tensor.reshape(-1).to(working_dtype(tensor.dtype))), self.small_weight_error)
+            rms, largest = spread(tensor.reshape(-1).to(working_dtype(tensor.dtype)))
+            if not levels_reach(rms, largest, self.small_weight_error):
+                continue  # a budget finer than MAX_EVEN_LEVELS steps can span: it stays exact
+            centroids, prune_below = even_levels(rms, largest, self.small_weight_error)
             # ``bins`` is unused with ready levels: the codec's default, which its config omits.
             codec = DynaQuantCodec(prune=0.0, protect=0.0, sigma=self.sigma).with_hints(
                 centroids=centroids, prune_below=prune_below, stats=stats[index],
