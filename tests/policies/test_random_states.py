@@ -5,9 +5,9 @@ output layer tied to it and a convolution; fp32 / bf16 / fp16; some layers froze
 it with a random optimizer (Adam's and SGD's families, RMSprop, Adagrad; learning rates
 from 0 to 1; one or two param groups), saves it 2-6 times (synchronously or not; some
 saves by a new manager and policy, as after a restart) under a random variant of the
-policy and `full_every`, and between saves damages a weight or an optimizer entry: NaN,
-±inf, zeroed, scaled far beyond its range, or a subnormal value. Every step is then
-restored by a fresh manager and checked:
+policy, `full_every` and `keep_last`, and between saves damages a weight or an optimizer
+entry: NaN, ±inf, zeroed, scaled far beyond its range, or a subnormal value. Every step
+retention keeps is then restored by a fresh manager and checked:
 
 - structure, dtypes, shapes, non-float tensors and plain values exactly;
 - non-finite values at their positions (infinities exactly, NaN as NaN);
@@ -121,6 +121,7 @@ class Scenario:
     conv: bool = False  # a Conv1d over the input added to it
     two_groups: bool = False  # the trained parameters in two param groups
     async_save: bool = False
+    keep_last: Optional[int] = None  # retention: older steps deleted, chains rebased
 
 
 def scenarios() -> st.SearchStrategy[Scenario]:
@@ -147,6 +148,7 @@ def scenarios() -> st.SearchStrategy[Scenario]:
         conv=st.booleans(),
         two_groups=st.booleans(),
         async_save=st.booleans(),
+        keep_last=st.sampled_from([None, None, 1, 2, 3]),
     )
 
 
@@ -274,7 +276,7 @@ def run(scenario: Scenario, folder: Path, policy: Optional[str] = None) -> dict[
             knobs.update(VARIANTS[name])
         fresh = CheckpointManager(
             folder, policy=resolve_policy(policy) if policy else DynaQuant(**knobs),
-            full_every=scenario.full_every, async_save=scenario.async_save,
+            full_every=scenario.full_every, async_save=scenario.async_save, keep_last=scenario.keep_last,
         )
         if scenario.watch:
             fresh.watch(model)
@@ -306,7 +308,9 @@ def run(scenario: Scenario, folder: Path, policy: Optional[str] = None) -> dict[
     finally:
         manager.close()
     with CheckpointManager(folder) as manager:
-        return {step: (state, manager.load(step)) for step, state in saved.items()}
+        kept = manager.steps()
+        assert kept == sorted(saved)[-scenario.keep_last:] if scenario.keep_last else sorted(saved), kept
+        return {step: (saved[step], manager.load(step)) for step in kept}
 
 
 def problems(saved: Any, restored: Any, bounded: bool = True) -> list[str]:
