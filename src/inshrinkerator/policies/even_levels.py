@@ -44,7 +44,7 @@ def even_levels(rms: float, largest: float, error: float) -> tuple[torch.Tensor,
     # A float32 step: the stream then stores the step alone, and the reader rebuilds these
     # very levels from it (codecs.dynaquant.even_level_values).
     step = even_step(rms, error)
-    count = max(1, min(MAX_EVEN_LEVELS, math.floor(largest / step + 0.5)))
+    count = max(1, min(MAX_EVEN_LEVELS, _steps_out(largest, step)))
     levels = even_level_values(step, count)
     centroids = torch.cat([levels[:count], levels[count + 1:]])
     prune_below = max(int(magnitude_keys(torch.tensor([step / 2], dtype=torch.float32))[0]), 1)
@@ -58,7 +58,12 @@ def levels_reach(rms: float, largest: float, error: float) -> bool:
     level). Levels for no values (``rms`` 0) reach anything."""
     if not (rms > 0.0 and math.isfinite(rms) and math.isfinite(largest)):
         return rms == 0.0
-    return math.floor(largest / even_step(rms, error) + 0.5) <= MAX_EVEN_LEVELS
+    return _steps_out(largest, even_step(rms, error)) <= MAX_EVEN_LEVELS
+
+
+def _steps_out(largest: float, step: float) -> int:
+    """How many levels ``step`` apart reach ``largest`` (rounded to the nearest level)."""
+    return math.floor(largest / step + 0.5)
 
 
 #: The spacings :func:`mean_levels` tries, as multiples of :func:`even_step`'s: 1/16 of an
