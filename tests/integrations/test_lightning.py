@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ pytest.importorskip("lightning")
 pytest.importorskip("sklearn")
 
 import inshrinkerator as ink  # noqa: E402
+from inshrinkerator.integrations._keyframes import KEYFRAME_DIR  # noqa: E402
 from inshrinkerator.integrations.lightning import InkCheckpointIO, InkWatch  # noqa: E402
 from tests.helpers import assert_same  # noqa: E402
 from tests.integrations.test_keyframes import _state
@@ -71,13 +73,50 @@ def test_removed_checkpoints_never_orphan_the_kept_ones(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == ["step=3.ckpt", "step=6.ckpt", "step=7.ckpt"]
 
 
+def _on_another_thread(run) -> None:
+    """As AsyncCheckpointIO runs a queued save: on its worker thread."""
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join()
+
+
 def test_a_checkpoint_removed_before_its_queued_save_ran_is_deleted_when_it_lands(tmp_path: Path) -> None:
     io = InkCheckpointIO(policy="lossless")
     io.remove_checkpoint(tmp_path / "late.ckpt")  # AsyncCheckpointIO: removal overtook the save
-    io.save_checkpoint(_state(0), tmp_path / "late.ckpt")
+    _on_another_thread(lambda: io.save_checkpoint(_state(0), tmp_path / "late.ckpt"))
     assert not (tmp_path / "late.ckpt").exists()
-    io.save_checkpoint(_state(0), tmp_path / "late.ckpt")  # a later save is kept
+    _on_another_thread(lambda: io.save_checkpoint(_state(0), tmp_path / "late.ckpt"))  # a later save is kept
     assert (tmp_path / "late.ckpt").exists()
+
+
+def test_a_save_after_a_removal_on_the_same_thread_is_kept(tmp_path: Path) -> None:
+    """Without a queue, a save that follows a removal of its (missing) path comes after it."""
+    io = InkCheckpointIO(policy="lossless")
+    io.remove_checkpoint(tmp_path / "last.ckpt")  # nothing there yet
+    io.save_checkpoint(_state(1), tmp_path / "last.ckpt")
+    assert_same(InkCheckpointIO().load_checkpoint(tmp_path / "last.ckpt"), _state(1))
+    io.save_checkpoint(_state(2), tmp_path / "last.ckpt")
+    assert_same(InkCheckpointIO().load_checkpoint(tmp_path / "last.ckpt"), _state(2))
+
+
+def test_no_keyframe_outlives_the_checkpoints_that_need_it(tmp_path: Path) -> None:
+    keyframes = tmp_path / KEYFRAME_DIR
+    io = InkCheckpointIO(policy="lossless")
+    io.save_checkpoint(_state(1), tmp_path / "a.ckpt")
+    io.remove_checkpoint(tmp_path / "a.ckpt")
+    assert len(list(keyframes.glob("*.ink"))) == 1  # the current keyframe, for the next save
+    io.teardown()  # the end of fit(): nothing needs it any more
+    assert list(keyframes.glob("*.ink")) == []
+    # A plugin that was never torn down (AsyncCheckpointIO does not tear down what it wraps,
+    # or the process died) leaves its keyframe; the next plugin's first save deletes it.
+    left = InkCheckpointIO(policy="lossless")
+    left.save_checkpoint(_state(1), tmp_path / "a.ckpt")
+    left.remove_checkpoint(tmp_path / "a.ckpt")
+    (orphan,) = keyframes.glob("*.ink")
+    kept = InkCheckpointIO(policy="lossless", full_every=1)
+    kept.save_checkpoint(_state(2), tmp_path / "b.ckpt")
+    assert not orphan.exists() and len(list(keyframes.glob("*.ink"))) == 1
+    assert_same(InkCheckpointIO().load_checkpoint(tmp_path / "b.ckpt"), _state(2))
 
 
 def test_load_moves_to_map_location_and_refuses_missing_files(tmp_path: Path) -> None:

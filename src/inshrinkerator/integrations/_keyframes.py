@@ -142,6 +142,8 @@ class KeyframeStore:
         self._saves_since_keyframe = 0
         if old is not None:
             self._collect_one(old)
+        else:  # this store's first keyframe: one left unneeded by an earlier process goes
+            self.collect()
         return written.stored_bytes
 
     # -- loading --------------------------------------------------------------------------
@@ -206,6 +208,14 @@ class KeyframeStore:
                 return
             for path in self.root.glob("*.ink"):
                 self._collect_one(path.stem)
+
+    def close(self) -> None:
+        """Stop saving here: the next save starts a new keyframe, and keyframes no existing
+        checkpoint needs, the current one included, are deleted."""
+        with self._lock:
+            self._keyframe, self._reference = None, None
+            self._saves_since_keyframe = 0
+            self.collect()
 
     def _keyframe_of(self, target: Path) -> Optional[str]:
         try:

@@ -79,6 +79,10 @@ class InkCheckpointIO(CheckpointIO):
             deltas against it.
 
     Paths are local files. Loading also accepts a plain ``.ink`` file.
+
+    Behind ``AsyncCheckpointIO``, removing a path that has no file yet marks it: the next
+    save to it that runs on another thread (the queued one the removal overtook) is deleted
+    when it lands. ``teardown`` deletes keyframes no checkpoint needs.
     """
 
     def __init__(self, policy: Union[str, Policy, None] = None, full_every: int = 10) -> None:
@@ -89,8 +93,9 @@ class InkCheckpointIO(CheckpointIO):
         self._stores: dict[Path, KeyframeStore] = {}
         self._lock = threading.Lock()
         # Paths Lightning removed before their save ran (AsyncCheckpointIO queues saves
-        # but removes on the caller's thread): deleted as soon as their save lands.
-        self._removed_early: set[Path] = set()
+        # but removes on the caller's thread): deleted as soon as their save lands, if it
+        # runs on another thread than the removal (a save on the removing thread came after it).
+        self._removed_early: dict[Path, int] = {}
 
     def _store(self, path: Path) -> KeyframeStore:
         folder = path.parent
@@ -126,9 +131,8 @@ class InkCheckpointIO(CheckpointIO):
         target = self._local(path)
         self._store(target).save(_plain(checkpoint), target, step=checkpoint.get("global_step"))
         with self._lock:
-            removed = target in self._removed_early
-            self._removed_early.discard(target)
-        if removed:
+            remover = self._removed_early.pop(target, None)
+        if remover is not None and remover != threading.get_ident():
             self._store(target).remove(target)
 
     def load_checkpoint(
@@ -156,7 +160,7 @@ class InkCheckpointIO(CheckpointIO):
         target = self._local(path)
         if not target.exists():
             with self._lock:
-                self._removed_early.add(target)
+                self._removed_early[target] = threading.get_ident()
             return
         self._store(target).remove(target)
 
@@ -166,8 +170,12 @@ class InkCheckpointIO(CheckpointIO):
         watch_with(self.policy, model)
 
     def teardown(self) -> None:
+        """Forget the folders' current keyframes; delete those no checkpoint needs."""
         with self._lock:
+            stores = list(self._stores.values())
             self._stores.clear()
+        for store in stores:
+            store.close()
 
 
 def _ink_checkpoint_io(io: Any) -> Optional[InkCheckpointIO]:

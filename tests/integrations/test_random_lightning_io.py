@@ -1,0 +1,192 @@
+"""Random saves, overwrites, removals and restarts through Lightning's ``InkCheckpointIO``.
+
+What ``ModelCheckpoint`` does to a folder, in random order: save checkpoints of the
+random training states of ``tests/policies/random_states.py`` under a few names
+(``last.ckpt`` is saved over again and again), remove some (``save_top_k``), load some,
+and restart (a new plugin, as a resumed run has), perhaps behind ``AsyncCheckpointIO``.
+After every restart and at the end:
+
+- every checkpoint on disk restores, by a fresh plugin, what was last saved under its
+  name (lossless: exactly; DynaQuant: within the bounds of ``test_random_states.py``;
+  the baselines: the structural checks), and a removed one is ``FileNotFoundError``;
+- the keyframe folder holds no keyframe that no checkpoint needs, beyond the current
+  keyframe of the plugin that wrote last (``AsyncCheckpointIO.teardown`` does not tear
+  down the plugin it wraps).
+
+Behind ``AsyncCheckpointIO`` a removal runs on the training thread while saves wait in
+its queue, so removing a name whose save is still queued may leave that save's file
+(Lightning's order, whatever the plugin); the test then accepts either. Removing a name
+that has neither a file nor a queued save marks its next save as removed there (the plugin
+cannot see AsyncCheckpointIO's queue): those stories remove nothing then.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Union
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+pytest.importorskip("lightning")
+
+import torch  # noqa: E402
+from lightning.pytorch.plugins.io import AsyncCheckpointIO  # noqa: E402
+from lightning_utilities.core.apply_func import apply_to_collection  # noqa: E402
+
+from inshrinkerator.integrations._keyframes import KEYFRAME_DIR  # noqa: E402
+from inshrinkerator.integrations.lightning import InkCheckpointIO  # noqa: E402
+from inshrinkerator.policies import DynaQuant, Policy  # noqa: E402
+from inshrinkerator.single_file import open_container  # noqa: E402
+from tests.policies.dynaquant_states import one_thread  # noqa: E402,F401  (autouse fixture)
+from tests.policies.random_states import (  # noqa: E402
+    BASELINES,
+    DAMAGES,
+    LONG,
+    VARIANTS,
+    Damage,
+    Save,
+    Scenario,
+    Trainer,
+    fuzz_settings,
+    problems,
+    scenarios,
+)
+from tests.policies.test_random_single_files import identical  # noqa: E402
+
+pytestmark = [pytest.mark.timeout(0)] if LONG else []
+
+POLICIES = ("lossless", "dynaquant", "dynaquant", *BASELINES)
+NAMES = ("last.ckpt", "last.ckpt", "epoch=0.ckpt", "epoch=1.ckpt", "epoch=2.ckpt")
+
+
+@dataclass(frozen=True)
+class Op:
+    kind: str  # "save", "remove", "load" or "restart"
+    name: str
+    plan: Save
+
+
+@dataclass(frozen=True)
+class Story:
+    scenario: Scenario
+    policy: str
+    variants: tuple[str, ...]
+    full_every: int
+    use_async: bool
+    ops: tuple[Op, ...]
+
+
+def stories() -> st.SearchStrategy[Story]:
+    damage = st.builds(Damage, st.sampled_from(["weight", "moment"]), st.sampled_from(DAMAGES), st.integers(0, 20))
+    plan = st.builds(Save, st.integers(1, 6), st.one_of(st.none(), st.none(), st.none(), damage))
+    op = st.builds(Op, st.sampled_from(["save", "save", "save", "remove", "load", "restart"]), st.sampled_from(NAMES), plan)
+    return st.builds(
+        Story,
+        scenario=scenarios(),
+        policy=st.sampled_from(POLICIES),
+        variants=st.lists(st.sampled_from(sorted(VARIANTS)), max_size=2, unique=True).map(tuple),
+        full_every=st.sampled_from([1, 2, 3, 10]),
+        use_async=st.booleans(),
+        ops=st.lists(op, min_size=2, max_size=12).map(tuple),
+    )
+
+
+def policy_of(story: Story) -> Union[str, Policy]:
+    if story.policy != "dynaquant":
+        return story.policy
+    knobs: dict[str, Any] = {}
+    for name in story.variants:
+        knobs.update(VARIANTS[name])
+    return DynaQuant(**knobs)
+
+
+def check_folder(story: Story, folder: Path, saved: dict[str, Any], maybe: dict[str, Any], current_keyframe: Any) -> None:
+    """Every checkpoint restores what its name last held (``maybe``: a removal raced that
+    save; the file may be there or not); no keyframe is left unneeded. Settles ``maybe``."""
+    reader = InkCheckpointIO()
+    needed = set()
+    for name in sorted(set(NAMES)):
+        path = folder / name
+        if name in maybe and path.exists():
+            saved[name] = maybe[name]
+        if name not in saved:
+            assert not path.exists(), name
+            with pytest.raises(FileNotFoundError):
+                reader.load_checkpoint(path)
+            continue
+        restored = reader.load_checkpoint(path)
+        if story.policy == "lossless":
+            assert identical(saved[name], restored), name
+        else:
+            bounded = story.policy == "dynaquant" and "evaluate" not in story.variants
+            found = problems(saved[name], restored, bounded=bounded)
+            assert found == [], f"{name}: {found}"
+        with open_container(path) as container:
+            needed.add(container.meta.get("keyframe"))
+    maybe.clear()
+    kept = {path.stem for path in (folder / KEYFRAME_DIR).glob("*.ink")}
+    assert kept <= needed | {current_keyframe}, f"keyframes {sorted(kept - needed)} are needed by no checkpoint"
+
+
+@fuzz_settings(25)
+@given(story=stories())
+def test_random_checkpoints_through_lightnings_checkpoint_io(story: Story, tmp_path_factory: Any) -> None:
+    folder: Path = tmp_path_factory.mktemp("lightning")
+    trainer = Trainer(story.scenario)
+
+    def new_io() -> tuple[InkCheckpointIO, Any]:
+        ink_io = InkCheckpointIO(policy_of(story), full_every=story.full_every)
+        if story.scenario.watch:
+            ink_io.watch(trainer.model)
+        return ink_io, AsyncCheckpointIO(ink_io) if story.use_async else ink_io
+
+    def current_keyframe(ink_io: InkCheckpointIO) -> Any:
+        store = ink_io._stores.get(folder.absolute())
+        return store._keyframe if store is not None else None
+
+    ink_io, io = new_io()
+    saved: dict[str, Any] = {}
+    maybe: dict[str, Any] = {}  # removed while their save may have been queued
+    queued: set[str] = set()  # saved since the queue last drained
+    writer = ink_io
+
+    def drain() -> Any:
+        """Tear the plugin down as Lightning does; the current keyframe it leaves (behind
+        AsyncCheckpointIO, once the queued saves landed)."""
+        keyframe = None if story.use_async else current_keyframe(writer)
+        io.teardown()
+        queued.clear()
+        return current_keyframe(writer) if story.use_async else keyframe
+
+    for op in story.ops:
+        path = folder / op.name
+        if op.kind == "save":
+            state = trainer.train(op.plan)
+            checkpoint = {"state_dict": state["model"], "optimizer_states": [state["optimizer"]],
+                          "global_step": state["step"], "epoch": 0}
+            io.save_checkpoint(checkpoint, path)
+            # What is stored is what AsyncCheckpointIO cloned, one tensor at a time.
+            saved[op.name] = apply_to_collection(checkpoint, torch.Tensor, torch.clone) if story.use_async else checkpoint
+            maybe.pop(op.name, None)
+            queued.add(op.name)
+            writer = ink_io
+        elif op.kind == "remove":
+            if story.use_async and op.name not in queued and not path.exists():
+                continue  # would mark the name's next save as removed: see InkCheckpointIO
+            io.remove_checkpoint(path)
+            if story.use_async and op.name in queued and op.name in saved:
+                maybe[op.name] = saved[op.name]
+            saved.pop(op.name, None)
+        elif op.kind == "load" and not story.use_async:
+            if op.name in saved:
+                assert problems(saved[op.name], io.load_checkpoint(path), bounded=False) == []
+            else:
+                with pytest.raises(FileNotFoundError):
+                    io.load_checkpoint(path)
+        elif op.kind == "restart":
+            check_folder(story, folder, saved, maybe, drain())
+            ink_io, io = new_io()
+    check_folder(story, folder, saved, maybe, drain())
