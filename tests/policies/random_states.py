@@ -100,6 +100,7 @@ class Scenario:
     two_groups: bool = False  # the trained parameters in two param groups
     async_save: bool = False
     keep_last: Optional[int] = None  # retention: older steps deleted, chains rebased
+    in_memory: bool = False  # the run in fsspec's memory:// store instead of a local folder
 
 
 def scenarios() -> st.SearchStrategy[Scenario]:
@@ -127,6 +128,7 @@ def scenarios() -> st.SearchStrategy[Scenario]:
         two_groups=st.booleans(),
         async_save=st.booleans(),
         keep_last=st.sampled_from([None, None, 1, 2, 3]),
+        in_memory=st.sampled_from([False, False, True]),
     )
 
 

@@ -5,9 +5,10 @@ output layer tied to it and a convolution; fp32 / bf16 / fp16; some layers froze
 it with a random optimizer (Adam's and SGD's families, RMSprop, Adagrad; learning rates
 from 0 to 1; one or two param groups), saves it 2-6 times (synchronously or not; some
 saves by a new manager and policy, as after a restart) under a random variant of the
-policy, `full_every` and `keep_last`, and between saves damages a weight or an optimizer
-entry: NaN, ±inf, zeroed, scaled far beyond its range, or a subnormal value. Every step
-retention keeps is then restored by a fresh manager and checked:
+policy, `full_every` and `keep_last`, in a local folder or fsspec's ``memory://`` store,
+and between saves damages a weight or an optimizer entry: NaN, ±inf, zeroed, scaled far
+beyond its range, or a subnormal value. Every step retention keeps is then restored by a
+fresh manager and checked:
 
 - structure, dtypes, shapes, non-float tensors and plain values exactly;
 - non-finite values at their positions (infinities exactly, NaN as NaN);
@@ -31,9 +32,11 @@ tests/policies/test_random_states.py`` runs a long campaign.
 from __future__ import annotations
 
 import math
+import uuid
 from pathlib import Path
 from typing import Any, Optional
 
+import fsspec
 import pytest
 import torch
 from hypothesis import given
@@ -61,6 +64,16 @@ pytestmark = [pytest.mark.timeout(0)] if LONG else []
 def run(scenario: Scenario, folder: Path, policy: Optional[str] = None) -> dict[int, tuple[Any, Any]]:
     """Train and save as ``scenario`` says, under the policy named ``policy`` (default:
     DynaQuant with the scenario's variants); step -> (state saved, state restored)."""
+    if not scenario.in_memory:
+        return run_in(scenario, str(folder), policy)
+    url = f"memory://random-states/{uuid.uuid4().hex}"
+    try:
+        return run_in(scenario, url, policy)
+    finally:
+        fsspec.filesystem("memory").rm(url, recursive=True)
+
+
+def run_in(scenario: Scenario, folder: str, policy: Optional[str]) -> dict[int, tuple[Any, Any]]:
     trainer = Trainer(scenario)
 
     def open_manager() -> CheckpointManager:
