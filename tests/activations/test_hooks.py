@@ -238,3 +238,12 @@ def test_bad_use_raises() -> None:
     with comp:
         with pytest.raises(RuntimeError, match="already active"):
             comp.__enter__()
+
+
+def test_empty_and_subnormal_saved_tensors_are_kept_whatever_min_bytes() -> None:
+    comp = ActivationCompressor(nn.Linear(1, 1), error_bound=1e-6, adaptive=False, codec="quantizer", min_bytes=0)
+    leaf = torch.randn(0, 7, dtype=torch.float64, requires_grad=True)
+    empty = leaf * 1
+    assert comp.unpack(comp.pack(empty)).shape == (0, 7)
+    tiny = (torch.randn(64).mul(1e-41)).requires_grad_(True) * 1
+    assert torch.equal(comp.unpack(comp.pack(tiny)), tiny)

@@ -42,3 +42,8 @@ def test_unpack_twice_gives_the_same_values_and_frees_nothing() -> None:
     third = handle.unpack()  # decoded afresh: the payload was not freed
     assert float((third - x).abs().max()) <= 0.01
     assert handle.nbytes == handle.payload.nbytes
+
+
+def test_zero_and_inf_is_not_a_mask() -> None:
+    # mask * inf would bring the zeros back as NaN
+    assert two_valued_mask(torch.tensor([0.0, float("inf"), 0.0])) is None

@@ -76,3 +76,9 @@ def test_non_finite_or_bad_bound_is_refused() -> None:
     assert quantize(x, 0.0) is None
     assert quantize(x, math.nan) is None
     assert quantize(torch.arange(10), 0.1) is None  # integers are not quantized
+
+
+def test_a_bound_that_underflows_is_refused_not_divided_by() -> None:
+    # subnormal activations: the bound, relative to their range, is 0 in float32
+    x = torch.randn(100) * 1e-41
+    assert quantize(x, 1e-6 * float(x.max() - x.min())) is None

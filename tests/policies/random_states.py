@@ -234,8 +234,8 @@ def clone(value: Any, seen: Optional[dict[tuple[Any, ...], torch.Tensor]] = None
         if key not in seen:
             seen[key] = value.clone()
         return seen[key]
-    if isinstance(value, dict):
-        return {key: clone(item, seen) for key, item in value.items()}
+    if isinstance(value, dict):  # an OrderedDict (a state_dict) stays one
+        return type(value)((key, clone(item, seen)) for key, item in value.items())
     if isinstance(value, (list, tuple)):
         return type(value)(clone(item, seen) for item in value)
     return value

@@ -224,6 +224,8 @@ class ActivationCompressor:
             return self._record(slot, PackedActivation(packed, nbytes), "int-delta", 0.0, 0.0), slot
         if tensor.grad_fn is None:
             return None, slot  # an input (or leaf) the caller still holds: a copy would add memory
+        if tensor.numel() == 0:
+            return None, slot  # nothing to store (min_bytes=0 lets empty tensors this far)
         low, high = torch.aminmax(tensor.detach().reshape(-1))
         value_range = float(high) - float(low)
         if not value_range > 0:

@@ -58,7 +58,7 @@ def two_valued_mask(tensor: torch.Tensor) -> Optional[TwoValuedMask]:
     if tensor.is_complex() or tensor.numel() == 0:
         return None
     low, high = torch.aminmax(tensor.detach().reshape(-1))
-    if float(low) != 0 or not float(high) > 0:
+    if float(low) != 0 or not 0 < float(high) < math.inf:  # 0 * inf would decode as NaN
         return None
     if not bool(((tensor == 0) | (tensor == high)).all()):
         return None

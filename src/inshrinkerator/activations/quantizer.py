@@ -161,7 +161,7 @@ def quantize(tensor: torch.Tensor, error_bound: float) -> Optional[QuantizedActi
     bound = _bound_in(work, error_bound)
     slack = peak * (torch.finfo(tensor.dtype).eps + 2 * torch.finfo(work).eps)
     step = 2.0 * (bound - slack) if slack < bound / 2 else bound
-    if peak / step >= _MAX_CODE - 2:
+    if not step > 0 or peak / step >= _MAX_CODE - 2:  # a bound that underflowed the working dtype
         return None
     code_dtype = torch.int32 if peak / step < (1 << 29) else torch.int64
     nonnegative = low_value >= 0
