@@ -65,6 +65,18 @@ def test_the_range_reaches_from_the_smallest_positive_value_to_the_largest() -> 
     assert first == -126 * 4 and lattice_values(4, first, count)[-1] > 1e37
 
 
+def test_the_range_stops_at_the_largest_level_the_dtype_holds() -> None:
+    # float16's largest values: the nearest level, 2 ** 16, would be restored as inf
+    values = torch.tensor([300.0, 61088.0], dtype=torch.float16)
+    first, count = lattice_range(values, 4, torch.finfo(torch.float16).max)
+    levels = lattice_values(4, first, count)
+    assert torch.isfinite(levels.half()).all() and float(levels[-1]) > 50000
+    assert lattice_range(values, 4)[1] == count + 1  # without the ceiling: one level more
+    # a ceiling below every value: the one level under it
+    first, count = lattice_range(torch.tensor([1e6]), 4, 65504.0)
+    assert count == 1 and float(lattice_values(4, first, 1)[0]) <= 65504
+
+
 def test_find_lattice_accepts_only_exact_lattice_levels() -> None:
     levels = lattice_values(4, -40, 25)
     assert find_lattice(levels, (4,)) == (4, -40)

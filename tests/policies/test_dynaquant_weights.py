@@ -1287,3 +1287,22 @@ def test_pooled_shares_keep_the_plain_share_where_there_is_nothing_to_pool() -> 
     assert pooled_shares([math.inf, 1.0], [10, 10], 0.03, [1.0, 1.0]) == [0.03, 0.03]
     assert pooled_shares([math.nan, 1.0], [10, 10], 0.03, [1.0, 1.0]) == [0.03, 0.03]
     assert pooled_shares([5.0], [10], 0.03, [1.0]) == [0.03]
+
+
+def test_a_small_float16_second_moment_near_the_largest_float16_stays_finite(tmp_path) -> None:
+    """On the log lattice the level nearest 61088 is 2 ** 16, which float16 holds as inf."""
+    torch.manual_seed(0)
+    model = torch.nn.Conv1d(1, 4, 3).half()
+    optimizer = torch.optim.RMSprop(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 1, 8).half()).float().pow(2).mean().backward()
+    optimizer.step()
+    for state in optimizer.state.values():
+        state["square_avg"].fill_(350.25).view(-1)[:4] = 61088.0
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    ink.save(state, tmp_path / "s.ink", policy=DynaQuant(min_numel=16, moment_min_numel=1, small_min_numel=1))
+    restored = ink.load(tmp_path / "s.ink")
+    for key, entry in restored["optimizer"]["state"].items():
+        saved = state["optimizer"]["state"][key]["square_avg"].float()
+        back = entry["square_avg"].float()
+        assert torch.isfinite(back).all(), key
+        assert ((back / saved).log2().abs() <= 0.25).all(), key  # within a quarter octave

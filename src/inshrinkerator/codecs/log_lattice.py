@@ -74,10 +74,12 @@ def lattice_values(divisions: int, first: int, count: int) -> torch.Tensor:
     return values.to(torch.float32)
 
 
-def lattice_range(values: torch.Tensor, divisions: int) -> Optional[tuple[int, int]]:
+def lattice_range(values: torch.Tensor, divisions: int, ceiling: float = math.inf) -> Optional[tuple[int, int]]:
     """``(first, count)`` of the lattice levels reaching from the positive ``values``'
     smallest to their largest (each end the level nearest it in log2), clamped to the
-    float32 normal range; None without a positive finite value."""
+    float32 normal range and to levels of at most ``ceiling`` (the largest finite value of
+    the dtype the levels are restored in: float16's 65504 would otherwise round up to a
+    level of 65536, restored as inf); None without a positive finite value."""
     positive = values[(values > 0) & torch.isfinite(values)]
     if positive.numel() == 0:
         return None
@@ -85,6 +87,9 @@ def lattice_range(values: torch.Tensor, divisions: int) -> Optional[tuple[int, i
     high = math.log2(float(positive.max())) * divisions
     first = max(round(low), _MIN_OCTAVE * divisions)
     last = min(round(high), _MAX_OCTAVE * divisions + divisions - 1)
+    if math.isfinite(ceiling):
+        last = min(last, math.floor(math.log2(ceiling) * divisions))
+        first = min(first, last)
     last = max(last, first)
     return first, last - first + 1
 

@@ -421,7 +421,8 @@ class MomentPlanning:
             # A small one on a log lattice (SMALL_MOMENT_DIVISIONS per octave): the table is
             # two numbers, not one per level, and a lattice is the same at every checkpoint,
             # so a delta's predicted ids hold wherever the moment stayed within its cell.
-            reach = lattice_range(tensor.reshape(-1), SMALL_MOMENT_DIVISIONS) if small else None
+            ceiling = torch.finfo(tensor.dtype).max
+            reach = lattice_range(tensor.reshape(-1), SMALL_MOMENT_DIVISIONS, ceiling) if small else None
             if reach is not None and reach[1] <= MAX_LATTICE_LEVELS:
                 extra = {"centroids": lattice_values(SMALL_MOMENT_DIVISIONS, *reach)}
         init = self._memory.centroids.get(key)
