@@ -74,7 +74,7 @@ def blank(state: Any) -> Any:
                 value.zero_()
             return value
         if isinstance(value, dict):
-            return {key: wipe(item) for key, item in value.items()}
+            return type(value)((key, wipe(item)) for key, item in value.items())
         if isinstance(value, list):
             return [wipe(item) for item in value]
         if isinstance(value, (int, float)) and not isinstance(value, bool):
