@@ -13,8 +13,9 @@ fresh manager and checked:
 - structure, dtypes, shapes, non-float tensors and plain values exactly;
 - non-finite values at their positions (infinities exactly, NaN as NaN);
 - the finite rest within a bound of the tensor's own size: 0.6 of its norm for weights,
-  1.5 for optimizer moments (a pruned moment loses most of its entries by design), exactly
-  for tensors of norm zero; second-order statistics (8 log levels over whatever range they
+  1.5 for optimizer moments (a pruned moment loses most of its entries by design; an Adam
+  first moment stored as a product of its steps keeps the steps ``m / sqrt(v)``, so either
+  it or its steps), exactly for tensors of norm zero; second-order statistics (8 log levels over whatever range they
   span) for finiteness and sign only; a policy with ``evaluate`` for finiteness only, since
   the user's metric, not a norm, decides what it may lose.
 
@@ -140,3 +141,9 @@ def test_the_checks_catch_what_they_guard() -> None:
     assert tensor_problems("model/w", torch.ones(3), -torch.ones(3), bounded=False) == []
     assert tensor_problems("model/w", torch.ones(3), torch.tensor([1.0, math.nan, 1.0]), bounded=False)
     assert problems({"step": 1, "w": torch.ones(2)}, {"step": 2, "w": torch.ones(2)})
+    # A first moment off by 3x its norm is accepted only where its steps m / sqrt(v) are not.
+    m, v = torch.ones(4), torch.full((4,), 4.0)
+    state = {"optimizer": {"state": {0: {"exp_avg": m, "exp_avg_sq": v}}}}
+    scaled = {"optimizer": {"state": {0: {"exp_avg": 4 * m, "exp_avg_sq": 16 * v}}}}
+    assert problems(state, scaled) == []
+    assert problems(state, {"optimizer": {"state": {0: {"exp_avg": 4 * m, "exp_avg_sq": v}}}})
