@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import pytest
 import torch
@@ -25,40 +25,28 @@ from inshrinkerator.integrations.dcp import (
     InkStorageReader,
     InkStorageWriter,
 )
-from inshrinkerator.policies import DynaQuant, Policy
 from tests.policies.dynaquant_states import one_thread  # noqa: F401  (autouse fixture)
 from tests.policies.random_states import (
-    BASELINES,
     LONG,
-    VARIANTS,
+    POLICIES,
     Scenario,
     Trainer,
     clone,
     fuzz_settings,
+    policy_named,
     problems,
     scenarios,
+    variant_lists,
 )
 from tests.policies.test_random_single_files import identical
 
 pytestmark = [pytest.mark.timeout(0)] if LONG else []
-
-POLICIES = ("lossless", "dynaquant", "dynaquant", *BASELINES)
-
 
 @dataclass(frozen=True)
 class Shot:
     scenario: Scenario
     policy: str
     variants: tuple[str, ...]
-
-
-def policy_of(shot: Shot) -> Union[str, Policy]:
-    if shot.policy != "dynaquant":
-        return shot.policy
-    knobs: dict[str, Any] = {}
-    for name in shot.variants:
-        knobs.update(VARIANTS[name])
-    return DynaQuant(**knobs)
 
 
 def blank(state: Any) -> Any:
@@ -87,14 +75,14 @@ def blank(state: Any) -> Any:
 @fuzz_settings(30)
 @given(shot=st.builds(
     Shot, scenarios(), st.sampled_from(POLICIES),
-    st.lists(st.sampled_from(sorted(VARIANTS)), max_size=2, unique=True).map(tuple),
+    variant_lists(),
 ))
 def test_random_states_through_dcp(shot: Shot, tmp_path_factory: Any) -> None:
     folder: Path = tmp_path_factory.mktemp("dcp")
     trainer = Trainer(shot.scenario)
     states = [trainer.train(plan) for plan in shot.scenario.saves]
     state = states[-1]
-    dcp.save(state, storage_writer=InkStorageWriter(folder, policy=policy_of(shot)), planner=InkSavePlanner(),
+    dcp.save(state, storage_writer=InkStorageWriter(folder, policy=policy_named(shot.policy, shot.variants)), planner=InkSavePlanner(),
              no_dist=True)
     restored = blank(state)
     dcp.load(restored, storage_reader=InkStorageReader(folder), planner=InkLoadPlanner(), no_dist=True)

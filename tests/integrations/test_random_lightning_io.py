@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -38,27 +38,26 @@ from lightning_utilities.core.apply_func import apply_to_collection  # noqa: E40
 
 from inshrinkerator.integrations._keyframes import KEYFRAME_DIR  # noqa: E402
 from inshrinkerator.integrations.lightning import InkCheckpointIO  # noqa: E402
-from inshrinkerator.policies import DynaQuant, Policy  # noqa: E402
 from inshrinkerator.single_file import open_container  # noqa: E402
 from tests.policies.dynaquant_states import one_thread  # noqa: E402,F401  (autouse fixture)
 from tests.policies.random_states import (  # noqa: E402
-    BASELINES,
     DAMAGES,
     LONG,
-    VARIANTS,
+    POLICIES,
     Damage,
     Save,
     Scenario,
     Trainer,
     fuzz_settings,
+    policy_named,
     problems,
     scenarios,
+    variant_lists,
 )
 from tests.policies.test_random_single_files import identical  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(0)] if LONG else []
 
-POLICIES = ("lossless", "dynaquant", "dynaquant", *BASELINES)
 NAMES = ("last.ckpt", "last.ckpt", "epoch=0.ckpt", "epoch=1.ckpt", "epoch=2.ckpt")
 
 
@@ -87,20 +86,11 @@ def stories() -> st.SearchStrategy[Story]:
         Story,
         scenario=scenarios(),
         policy=st.sampled_from(POLICIES),
-        variants=st.lists(st.sampled_from(sorted(VARIANTS)), max_size=2, unique=True).map(tuple),
+        variants=variant_lists(),
         full_every=st.sampled_from([1, 2, 3, 10]),
         use_async=st.booleans(),
         ops=st.lists(op, min_size=2, max_size=12).map(tuple),
     )
-
-
-def policy_of(story: Story) -> Union[str, Policy]:
-    if story.policy != "dynaquant":
-        return story.policy
-    knobs: dict[str, Any] = {}
-    for name in story.variants:
-        knobs.update(VARIANTS[name])
-    return DynaQuant(**knobs)
 
 
 def check_folder(story: Story, folder: Path, saved: dict[str, Any], maybe: dict[str, Any], current_keyframe: Any) -> None:
@@ -138,7 +128,7 @@ def test_random_checkpoints_through_lightnings_checkpoint_io(story: Story, tmp_p
     trainer = Trainer(story.scenario)
 
     def new_io() -> tuple[InkCheckpointIO, Any]:
-        ink_io = InkCheckpointIO(policy_of(story), full_every=story.full_every)
+        ink_io = InkCheckpointIO(policy_named(story.policy, story.variants), full_every=story.full_every)
         if story.scenario.watch:
             ink_io.watch(trainer.model)
         return ink_io, AsyncCheckpointIO(ink_io) if story.use_async else ink_io

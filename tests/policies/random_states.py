@@ -11,10 +11,26 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
+from inshrinkerator.policies import DynaQuant, Policy, resolve_policy
 from inshrinkerator.tree import flatten, format_key_path
 
 #: ``INSHRINK_FUZZ_EXAMPLES=N``: a long campaign of N states instead of the CI budget.
 LONG = int(os.environ.get("INSHRINK_FUZZ_EXAMPLES", "0"))
+
+
+def variant_lists() -> st.SearchStrategy[tuple[str, ...]]:
+    """Up to two of :data:`VARIANTS`' names."""
+    return st.lists(st.sampled_from(sorted(VARIANTS)), max_size=2, unique=True).map(tuple)
+
+
+def policy_named(name: str, variants: tuple[str, ...] = ()) -> Policy:
+    """The policy ``name``; DynaQuant with the knobs of ``variants`` (:data:`VARIANTS`)."""
+    if name != "dynaquant":
+        return resolve_policy(name)
+    knobs: dict[str, Any] = {}
+    for variant in variants:
+        knobs.update(VARIANTS[variant])
+    return DynaQuant(**knobs)
 
 
 def fuzz_settings(ci_examples: int, share: int = 1) -> Any:
@@ -32,6 +48,8 @@ OPTIMIZERS = ("adam", "adam-0.95", "adamw", "amsgrad", "nadam", "adamax", "sgd",
               "nesterov", "rmsprop", "rmsprop-momentum", "rmsprop-centered", "adagrad")
 DAMAGES = ("nan", "inf", "huge", "zero", "subnormal")
 BASELINES = ("lc-checkpoint", "excp", "cnr", "qd")
+#: The policies the entry-point tests draw from (DynaQuant twice: its variants are the most code).
+POLICIES = ("lossless", "dynaquant", "dynaquant", *BASELINES)
 #: Where a state keeps its weights: ours, and a Lightning checkpoint's.
 WEIGHT_ROOTS = ("model", "state_dict")
 #: Optimizer entries that hold second-order statistics (kept on log levels, or positive).

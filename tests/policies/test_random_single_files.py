@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import pytest
 import torch
@@ -28,25 +28,24 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 
 import inshrinkerator as ink
-from inshrinkerator.policies import DynaQuant, Policy, resolve_policy
 from inshrinkerator.tree import flatten
 
 from .dynaquant_states import one_thread  # noqa: F401  (autouse fixture)
 from .random_states import (
-    BASELINES,
     LONG,
-    VARIANTS,
+    POLICIES,
     Scenario,
     Trainer,
     clone,
     fuzz_settings,
+    policy_named,
     problems,
     scenarios,
+    variant_lists,
 )
 
 pytestmark = [pytest.mark.timeout(0)] if LONG else []
 
-POLICIES = ("lossless", "dynaquant", "dynaquant", *BASELINES)
 BASES = ("none", "earlier", "earlier", "same", "file", "altered", "altered")
 ALTERATIONS = ("reshape", "dtype", "drop", "extra", "non-finite", "plain", "zero")
 
@@ -66,20 +65,11 @@ def one_shots() -> st.SearchStrategy[OneShot]:
         OneShot,
         scenario=scenarios(),
         policy=st.sampled_from(POLICIES),
-        variants=st.lists(st.sampled_from(sorted(VARIANTS)), max_size=2, unique=True).map(tuple),
+        variants=variant_lists(),
         base=st.sampled_from(BASES),
         base_policy=st.sampled_from(POLICIES),
         alterations=st.lists(st.tuples(st.sampled_from(ALTERATIONS), st.integers(0, 20)), min_size=1, max_size=3).map(tuple),
     )
-
-
-def policy_of(shot: OneShot) -> Union[str, Policy]:
-    if shot.policy != "dynaquant":
-        return resolve_policy(shot.policy)
-    knobs: dict[str, Any] = {}
-    for name in shot.variants:
-        knobs.update(VARIANTS[name])
-    return DynaQuant(**knobs)
 
 
 def altered(base: dict[str, Any], alterations: tuple[tuple[str, int], ...]) -> dict[str, Any]:
@@ -157,7 +147,7 @@ def save_against_a_base(shot: OneShot, folder: Path) -> tuple[Any, Any, Any, ink
         base_state = ink.load(given_base)
     elif shot.base == "altered":
         base_state = given_base = altered(earlier, shot.alterations)
-    info = ink.save(state, folder / "state.ink", policy=policy_of(shot), base=given_base)
+    info = ink.save(state, folder / "state.ink", policy=policy_named(shot.policy, shot.variants), base=given_base)
     return state, base_state, given_base, info
 
 

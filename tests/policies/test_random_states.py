@@ -43,16 +43,15 @@ import torch
 from hypothesis import given
 
 from inshrinkerator import CheckpointManager
-from inshrinkerator.policies import DynaQuant, resolve_policy
 
 from .dynaquant_states import one_thread  # noqa: F401  (autouse fixture)
 from .random_states import (
     BASELINES,
     LONG,
-    VARIANTS,
     Scenario,
     Trainer,
     fuzz_settings,
+    policy_named,
     problems,
     scenarios,
     tensor_problems,
@@ -78,11 +77,8 @@ def run_in(scenario: Scenario, folder: str, policy: Optional[str]) -> dict[int, 
     trainer = Trainer(scenario)
 
     def open_manager() -> CheckpointManager:
-        knobs: dict[str, Any] = {}
-        for name in scenario.variants:
-            knobs.update(VARIANTS[name])
         fresh = CheckpointManager(
-            folder, policy=resolve_policy(policy) if policy else DynaQuant(**knobs),
+            folder, policy=policy_named(policy or "dynaquant", scenario.variants),
             full_every=scenario.full_every, async_save=scenario.async_save, keep_last=scenario.keep_last,
         )
         if scenario.watch:
