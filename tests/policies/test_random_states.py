@@ -7,8 +7,9 @@ from 0 to 1; one or two param groups), saves it 2-6 times (synchronously or not;
 saves by a new manager and policy, as after a restart) under a random variant of the
 policy, `full_every` and `keep_last`, in a local folder or fsspec's ``memory://`` store,
 and between saves damages a weight or an optimizer entry: NaN, ±inf, zeroed, scaled far
-beyond its range, or a subnormal value. Every step retention keeps is then restored by a
-fresh manager and checked:
+beyond its range, or a subnormal value. The run must then verify clean (``verify_run``,
+what ``inshrink verify`` reports), and every step retention keeps is restored by a fresh
+manager and checked:
 
 - structure, dtypes, shapes, non-float tensors and plain values exactly;
 - non-finite values at their positions (infinities exactly, NaN as NaN);
@@ -43,6 +44,7 @@ import torch
 from hypothesis import given
 
 from inshrinkerator import CheckpointManager
+from inshrinkerator.store import verify_run
 
 from .dynaquant_states import one_thread  # noqa: F401  (autouse fixture)
 from .random_states import (
@@ -97,6 +99,7 @@ def run_in(scenario: Scenario, folder: str, policy: Optional[str]) -> dict[int, 
             saved[trainer.step] = state
     finally:
         manager.close()
+    assert verify_run(folder) == []  # what `inshrink verify` reports
     with CheckpointManager(folder) as manager:
         kept = manager.steps()
         assert kept == sorted(saved)[-scenario.keep_last:] if scenario.keep_last else sorted(saved), kept
