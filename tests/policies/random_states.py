@@ -11,7 +11,9 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
+from inshrinkerator import CheckpointManager
 from inshrinkerator.policies import DynaQuant, Policy, resolve_policy
+from inshrinkerator.store import verify_run
 from inshrinkerator.tree import flatten, format_key_path
 
 #: ``INSHRINK_FUZZ_EXAMPLES=N``: a long campaign of N states instead of the CI budget.
@@ -288,6 +290,40 @@ class Trainer:
             apply_damage(plan.damage, self.model, self.optimizer)
         return {"model": clone(self.model.state_dict()), "optimizer": clone(self.optimizer.state_dict()),
                 "step": self.step}
+
+
+def run_through_manager(scenario: Scenario, folder: str, policy: Optional[str] = None) -> dict[int, tuple[Any, Any]]:
+    """Train and save as ``scenario`` says into the run at ``folder`` (a path or URL) under
+    the policy named ``policy`` (default: DynaQuant with the scenario's variants); the run
+    must verify clean; step -> (state saved, state restored by a fresh manager)."""
+    trainer = Trainer(scenario)
+
+    def open_manager() -> CheckpointManager:
+        fresh = CheckpointManager(
+            folder, policy=policy_named(policy or "dynaquant", scenario.variants),
+            full_every=scenario.full_every, async_save=scenario.async_save, keep_last=scenario.keep_last,
+        )
+        if scenario.watch:
+            fresh.watch(trainer.model)
+        return fresh
+
+    saved: dict[int, Any] = {}
+    manager = open_manager()
+    try:
+        for plan in scenario.saves:
+            if plan.reopen:
+                manager.close()
+                manager = open_manager()
+            state = trainer.train(plan)
+            manager.save(trainer.step, state)
+            saved[trainer.step] = state
+    finally:
+        manager.close()
+    assert verify_run(folder) == []  # what `inshrink verify` reports
+    with CheckpointManager(folder) as manager:
+        kept = manager.steps()
+        assert kept == sorted(saved)[-scenario.keep_last:] if scenario.keep_last else sorted(saved), kept
+        return {step: (saved[step], manager.load(step)) for step in kept}
 
 
 def problems(saved: Any, restored: Any, bounded: bool = True) -> list[str]:

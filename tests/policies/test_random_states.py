@@ -43,18 +43,14 @@ import pytest
 import torch
 from hypothesis import given
 
-from inshrinkerator import CheckpointManager
-from inshrinkerator.store import verify_run
-
 from .dynaquant_states import one_thread  # noqa: F401  (autouse fixture)
 from .random_states import (
     BASELINES,
     LONG,
     Scenario,
-    Trainer,
     fuzz_settings,
-    policy_named,
     problems,
+    run_through_manager,
     scenarios,
     tensor_problems,
 )
@@ -67,43 +63,12 @@ def run(scenario: Scenario, folder: Path, policy: Optional[str] = None) -> dict[
     """Train and save as ``scenario`` says, under the policy named ``policy`` (default:
     DynaQuant with the scenario's variants); step -> (state saved, state restored)."""
     if not scenario.in_memory:
-        return run_in(scenario, str(folder), policy)
+        return run_through_manager(scenario, str(folder), policy)
     url = f"memory://random-states/{uuid.uuid4().hex}"
     try:
-        return run_in(scenario, url, policy)
+        return run_through_manager(scenario, url, policy)
     finally:
         fsspec.filesystem("memory").rm(url, recursive=True)
-
-
-def run_in(scenario: Scenario, folder: str, policy: Optional[str]) -> dict[int, tuple[Any, Any]]:
-    trainer = Trainer(scenario)
-
-    def open_manager() -> CheckpointManager:
-        fresh = CheckpointManager(
-            folder, policy=policy_named(policy or "dynaquant", scenario.variants),
-            full_every=scenario.full_every, async_save=scenario.async_save, keep_last=scenario.keep_last,
-        )
-        if scenario.watch:
-            fresh.watch(trainer.model)
-        return fresh
-
-    saved: dict[int, Any] = {}
-    manager = open_manager()
-    try:
-        for plan in scenario.saves:
-            if plan.reopen:
-                manager.close()
-                manager = open_manager()
-            state = trainer.train(plan)
-            manager.save(trainer.step, state)
-            saved[trainer.step] = state
-    finally:
-        manager.close()
-    assert verify_run(folder) == []  # what `inshrink verify` reports
-    with CheckpointManager(folder) as manager:
-        kept = manager.steps()
-        assert kept == sorted(saved)[-scenario.keep_last:] if scenario.keep_last else sorted(saved), kept
-        return {step: (saved[step], manager.load(step)) for step in kept}
 
 
 @fuzz_settings(40)

@@ -7,6 +7,7 @@ import logging
 import socket
 
 import pytest
+from hypothesis import given
 
 moto_server = pytest.importorskip("moto.server", reason="moto[server] is not installed")
 s3fs = pytest.importorskip("s3fs", reason="s3fs is not installed")
@@ -16,6 +17,14 @@ from inshrinkerator.store.manifest import data_name  # noqa: E402
 from inshrinkerator.store.storage import FsspecRunStorage, open_storage  # noqa: E402
 
 from ..helpers import assert_same, point_aws_at_loopback  # noqa: E402
+from ..policies.random_states import (  # noqa: E402
+    LONG,
+    Scenario,
+    fuzz_settings,
+    problems,
+    run_through_manager,
+    scenarios,
+)
 from .support import state_for  # noqa: E402
 
 BUCKET = "ink-runs"
@@ -100,3 +109,16 @@ def test_a_failed_upload_leaves_no_object(s3_run: str) -> None:
     with pytest.raises(OSError, match="connection lost"):
         storage.write_file(data_name(9, "0123abcd"), fails_after_writing)
     assert storage.list_names() == []
+
+
+@(pytest.mark.timeout(0) if LONG else pytest.mark.usefixtures())  # a campaign takes as long as it takes
+@fuzz_settings(3, share=20)
+@given(scenario=scenarios())
+def test_random_training_states_on_s3(s3_bucket: str, scenario: Scenario) -> None:
+    """The random states of ``tests/policies/test_random_states.py`` (async saves, restarts,
+    retention and all) in runs on the S3 server: the run verifies clean and every kept step
+    restores within DynaQuant's bounds."""
+    run = run_through_manager(scenario, f"{s3_bucket}/random-{next(_runs)}")
+    for step, (saved, restored) in run.items():
+        found = problems(saved, restored, bounded="evaluate" not in scenario.variants)
+        assert found == [], f"step {step}: {found}"
