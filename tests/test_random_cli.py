@@ -1,15 +1,17 @@
-"""Random training states through ``inshrink compress`` / ``inshrink decompress`` / ``verify``.
+"""Random training states through ``inshrink compress`` / ``verify`` / ``info`` / ``decompress``.
 
 The states of ``tests/policies/random_states.py`` written as ``.pt`` (the whole state) or
 ``.safetensors`` (the model's flat dict), compressed under a random policy, perhaps against
-a base given as ``.pt`` or ``.ink`` (the state of an earlier save), verified, and written
-back out as ``.pt`` or ``.safetensors``. What comes back, read as people read those files
+a base given as ``.pt`` or ``.ink`` (the state of an earlier save), verified, shown by
+``info`` (its JSON names the file's size), and written back out as ``.pt`` or
+``.safetensors``. What comes back, read as people read those files
 (``torch.load(weights_only=True)``, ``safetensors``), keeps the promises of
 ``test_random_states.py``; lossless comes back exactly.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -86,6 +88,13 @@ def test_random_states_through_the_cli(conversion: Conversion, tmp_path_factory:
     packed = folder / "state.ink"
     assert main(["compress", str(source), str(packed), "--policy", conversion.policy, *base_args]) == 0
     assert main(["verify", str(packed), *base_args]) == 0
+    capsys.readouterr()
+    assert main(["info", str(packed)]) == 0
+    capsys.readouterr()
+    assert main(["info", "--json", str(packed)]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["stored_bytes"] == packed.stat().st_size
+    assert sum(tensor["stored_bytes"] for tensor in summary["tensors"]) <= summary["stored_bytes"]
     out = folder / f"out{conversion.target}"
     code = main(["decompress", str(packed), str(out), *base_args])
     if conversion.target == ".safetensors" and conversion.source == ".pt":

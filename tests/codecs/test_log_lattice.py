@@ -72,6 +72,8 @@ def test_the_range_stops_at_the_largest_level_the_dtype_holds() -> None:
     levels = lattice_values(4, first, count)
     assert torch.isfinite(levels.half()).all() and float(levels[-1]) > 50000
     assert lattice_range(values, 4)[1] == count + 1  # without the ceiling: one level more
+    # subnormal values with a ceiling: the normal range's first level, as without one
+    assert lattice_range(torch.tensor([1e-42, 2e-42]), 4, 3.0e38) == lattice_range(torch.tensor([1e-42, 2e-42]), 4) == (-504, 1)
     # a ceiling below every value: the one level under it
     first, count = lattice_range(torch.tensor([1e6]), 4, 65504.0)
     assert count == 1 and float(lattice_values(4, first, 1)[0]) <= 65504

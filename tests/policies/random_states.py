@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from inshrinkerator import CheckpointManager
 from inshrinkerator.policies import DynaQuant, Policy, resolve_policy
-from inshrinkerator.store import verify_run
+from inshrinkerator.store import describe_run, run_class_bytes, verify_run
 from inshrinkerator.tree import flatten, format_key_path
 
 #: ``INSHRINK_FUZZ_EXAMPLES=N``: a long campaign of N states instead of the CI budget.
@@ -295,7 +295,8 @@ class Trainer:
 def run_through_manager(scenario: Scenario, folder: str, policy: Optional[str] = None) -> dict[int, tuple[Any, Any]]:
     """Train and save as ``scenario`` says into the run at ``folder`` (a path or URL) under
     the policy named ``policy`` (default: DynaQuant with the scenario's variants); the run
-    must verify clean; step -> (state saved, state restored by a fresh manager)."""
+    must verify clean, and what ``inshrink info`` shows of it must hold together (every
+    delta's base kept); step -> (state saved, state restored by a fresh manager)."""
     trainer = Trainer(scenario)
 
     def open_manager() -> CheckpointManager:
@@ -320,6 +321,11 @@ def run_through_manager(scenario: Scenario, folder: str, policy: Optional[str] =
     finally:
         manager.close()
     assert verify_run(folder) == []  # what `inshrink verify` reports
+    entries = describe_run(folder)  # and `inshrink info --classes`
+    steps = [entry.step for entry in entries]
+    assert sorted(run_class_bytes(folder)) == steps
+    for entry in entries:  # retention never leaves a delta without its base
+        assert (entry.kind == "full") == (entry.base_step is None) and entry.base_step in (None, *steps), entry
     with CheckpointManager(folder) as manager:
         kept = manager.steps()
         assert kept == sorted(saved)[-scenario.keep_last:] if scenario.keep_last else sorted(saved), kept

@@ -85,12 +85,11 @@ def lattice_range(values: torch.Tensor, divisions: int, ceiling: float = math.in
         return None
     low = math.log2(float(positive.min())) * divisions
     high = math.log2(float(positive.max())) * divisions
-    first = max(round(low), _MIN_OCTAVE * divisions)
-    last = min(round(high), _MAX_OCTAVE * divisions + divisions - 1)
+    top = _MAX_OCTAVE * divisions + divisions - 1
     if math.isfinite(ceiling):
-        last = min(last, math.floor(math.log2(ceiling) * divisions))
-        first = min(first, last)
-    last = max(last, first)
+        top = min(top, math.floor(math.log2(ceiling) * divisions))
+    first = min(max(round(low), _MIN_OCTAVE * divisions), top)
+    last = max(min(round(high), top), first)
     return first, last - first + 1
 
 
