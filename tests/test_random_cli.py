@@ -30,10 +30,10 @@ from tests.policies.random_states import (
     Scenario,
     Trainer,
     fuzz_settings,
+    identical,
     problems,
     scenarios,
 )
-from tests.policies.test_random_single_files import identical
 
 pytestmark = [pytest.mark.timeout(0)] if LONG else []
 

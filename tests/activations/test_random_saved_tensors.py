@@ -136,8 +136,8 @@ def test_random_saved_tensors_come_back_within_their_bound(case: SavedTensor) ->
     record = next(iter(compressor.slots.values()), None) if isinstance(packed, PackedActivation) else None
     bound = record.error_bound * (1 + 1e-6) if record is not None else 0.0
     if record is not None and tensor.is_floating_point():
-        finite = tensor.detach().double()
-        value_range = float(finite.max() - finite.min())
+        values = tensor.detach().double()  # finite: a tensor holding NaN or inf is kept
+        value_range = float(values.max() - values.min())
         assert record.error_bound <= case.error_bound * value_range * (1 + 1e-6)
     found = problems(tensor, back, bound)
     assert found == [], f"{found} ({record.codec if record else 'kept'})"

@@ -33,12 +33,12 @@ from tests.policies.random_states import (
     Trainer,
     clone,
     fuzz_settings,
+    identical,
     policy_named,
     problems,
     scenarios,
     variant_lists,
 )
-from tests.policies.test_random_single_files import identical
 
 pytestmark = [pytest.mark.timeout(0)] if LONG else []
 

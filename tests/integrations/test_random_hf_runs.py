@@ -38,8 +38,7 @@ from inshrinkerator.integrations.transformers import STATE_FILE, InkTrainer  # n
 from inshrinkerator.single_file import open_container  # noqa: E402
 from tests.integrations.conftest import load_example  # noqa: E402
 from tests.policies.dynaquant_states import one_thread  # noqa: E402,F401  (autouse fixture)
-from tests.policies.random_states import LONG, POLICIES, clone, fuzz_settings, problems  # noqa: E402
-from tests.policies.test_random_single_files import identical  # noqa: E402
+from tests.policies.random_states import LONG, POLICIES, clone, fuzz_settings, identical, problems  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(0)] if LONG else []
 

@@ -49,12 +49,12 @@ from tests.policies.random_states import (  # noqa: E402
     Scenario,
     Trainer,
     fuzz_settings,
+    identical,
     policy_named,
     problems,
     scenarios,
     variant_lists,
 )
-from tests.policies.test_random_single_files import identical  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(0)] if LONG else []
 

@@ -332,6 +332,23 @@ def run_through_manager(scenario: Scenario, folder: str, policy: Optional[str] =
         return {step: (saved[step], manager.load(step)) for step in kept}
 
 
+def identical(a: Any, b: Any) -> bool:
+    """The same structure, plain values and tensors bit for bit (NaN where NaN)."""
+    left, right = flatten(a), flatten(b)
+    if left.skeleton != right.skeleton:
+        return False
+    for x, y in zip(left.tensors, right.tensors):
+        x, y = x.tensor, y.tensor
+        if (x.dtype, x.shape) != (y.dtype, y.shape):
+            return False
+        if x.is_floating_point():
+            if not torch.equal(x.isnan(), y.isnan()) or not torch.equal(x.nan_to_num(7.0), y.nan_to_num(7.0)):
+                return False
+        elif not torch.equal(x, y):
+            return False
+    return True
+
+
 def problems(saved: Any, restored: Any, bounded: bool = True) -> list[str]:
     """What breaks the module's promises between one saved state and its restore
     (``bounded``: with the bounds on the finite values' errors)."""

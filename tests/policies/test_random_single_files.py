@@ -28,7 +28,6 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 
 import inshrinkerator as ink
-from inshrinkerator.tree import flatten
 
 from .dynaquant_states import one_thread  # noqa: F401  (autouse fixture)
 from .random_states import (
@@ -38,6 +37,7 @@ from .random_states import (
     Trainer,
     clone,
     fuzz_settings,
+    identical,
     policy_named,
     problems,
     scenarios,
@@ -110,23 +110,6 @@ def moved(state: Any) -> Any:
     if isinstance(state, (list, tuple)):
         return type(state)(moved(value) for value in state)
     return state
-
-
-def identical(a: Any, b: Any) -> bool:
-    """The same structure, plain values and tensors bit for bit (NaN where NaN)."""
-    left, right = flatten(a), flatten(b)
-    if left.skeleton != right.skeleton:
-        return False
-    for x, y in zip(left.tensors, right.tensors):
-        x, y = x.tensor, y.tensor
-        if (x.dtype, x.shape) != (y.dtype, y.shape):
-            return False
-        if x.is_floating_point():
-            if not torch.equal(x.isnan(), y.isnan()) or not torch.equal(x.nan_to_num(7.0), y.nan_to_num(7.0)):
-                return False
-        elif not torch.equal(x, y):
-            return False
-    return True
 
 
 def save_against_a_base(shot: OneShot, folder: Path) -> tuple[Any, Any, Any, ink.SaveInfo]:
