@@ -7,8 +7,9 @@
 
 ``InkCheckpointIO`` (and the ``InkWatch`` callback, which lets its policy watch the model)
 are the only changes to an ordinary Lightning script; ``ModelCheckpoint`` keeps the two
-most recent checkpoints and deletes the others. ``--async`` wraps the plugin
-in Lightning's ``AsyncCheckpointIO``. Prints a JSON summary.
+most recent checkpoints and deletes the others. ``--async`` compresses and writes on a
+background thread (``InkCheckpointIO(async_save=True)``); ``--async-wrapper`` wraps the
+plugin in Lightning's ``AsyncCheckpointIO`` instead. Prints a JSON summary.
 """
 
 from __future__ import annotations
@@ -71,10 +72,12 @@ def evaluate(model: DigitsClassifier, held: torch.utils.data.TensorDataset) -> d
 
 
 def run(out: Path, epochs: int, resume: Optional[str] = None, policy: Optional[str] = None,
-        use_async: bool = False, default_io: bool = False) -> dict[str, Any]:
+        use_async: bool = False, default_io: bool = False, wrap_async: bool = False) -> dict[str, Any]:
     """Train to ``epochs`` (from ``resume``, a .ckpt path or ``"last"``); return a summary.
 
     ``default_io=True`` uses Lightning's own ``TorchCheckpointIO`` (for size comparisons).
+    ``use_async`` saves on the plugin's background thread, ``wrap_async`` behind
+    ``AsyncCheckpointIO``.
     """
     torch.manual_seed(0)
     train, held = digits()
@@ -83,8 +86,8 @@ def run(out: Path, epochs: int, resume: Optional[str] = None, policy: Optional[s
     callbacks: list[Any] = [ModelCheckpoint(dirpath=out, filename="{epoch}-{step}", every_n_epochs=1,
                                             save_top_k=2, monitor="step", mode="max")]
     if not default_io:
-        io = InkCheckpointIO(policy=policy, full_every=4)
-        plugins.append(AsyncCheckpointIO(io) if use_async else io)
+        io = InkCheckpointIO(policy=policy, full_every=4, async_save=use_async)
+        plugins.append(AsyncCheckpointIO(io) if wrap_async else io)
         callbacks.append(InkWatch())
     trainer = L.Trainer(
         max_epochs=epochs, plugins=plugins, callbacks=callbacks, accelerator="cpu",
@@ -113,9 +116,12 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--resume", default=None, help="a .ckpt path, or 'last'")
     parser.add_argument("--policy", default=None)
-    parser.add_argument("--async", dest="use_async", action="store_true")
+    parser.add_argument("--async", dest="use_async", action="store_true",
+                        help="compress and write on a background thread")
+    parser.add_argument("--async-wrapper", dest="wrap_async", action="store_true",
+                        help="behind Lightning's AsyncCheckpointIO instead")
     args = parser.parse_args()
-    summary = run(args.out, args.epochs, args.resume, args.policy, args.use_async)
+    summary = run(args.out, args.epochs, args.resume, args.policy, args.use_async, wrap_async=args.wrap_async)
     print(json.dumps(summary))
 
 

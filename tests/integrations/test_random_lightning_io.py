@@ -3,7 +3,8 @@
 What ``ModelCheckpoint`` does to a folder, in random order: save checkpoints of the
 random training states of ``tests/policies/random_states.py`` under a few names
 (``last.ckpt`` is saved over again and again), remove some (``save_top_k``), load some,
-and restart (a new plugin, as a resumed run has), perhaps behind ``AsyncCheckpointIO``.
+and restart (a new plugin, as a resumed run has), perhaps with ``async_save=True`` or
+behind ``AsyncCheckpointIO``.
 After every restart and at the end:
 
 - every checkpoint on disk restores, by a fresh plugin, what was last saved under its
@@ -13,7 +14,9 @@ After every restart and at the end:
   keyframe of the plugin that wrote last (``AsyncCheckpointIO.teardown`` does not tear
   down the plugin it wraps).
 
-Behind ``AsyncCheckpointIO`` a removal runs on the training thread while saves wait in
+With ``async_save=True`` everything is exact: a removal of the save in flight waits for
+it, any other removal (of a name with no file too) leaves later saves alone, and a load
+waits for the save in flight. Behind ``AsyncCheckpointIO`` a removal runs on the training thread while saves wait in
 its queue, so removing a name whose save is still queued may leave that save's file
 (Lightning's order, whatever the plugin); the test then accepts either. Removing a name
 that has neither a file nor a queued save marks its next save as removed there (the plugin
@@ -48,6 +51,7 @@ from tests.policies.random_states import (  # noqa: E402
     Save,
     Scenario,
     Trainer,
+    clone,
     fuzz_settings,
     identical,
     policy_named,
@@ -74,8 +78,13 @@ class Story:
     policy: str
     variants: tuple[str, ...]
     full_every: int
-    use_async: bool
+    mode: str  # "sync", "async_save" (the plugin's own thread) or "wrapped" (AsyncCheckpointIO)
     ops: tuple[Op, ...]
+
+    @property
+    def queued(self) -> bool:
+        """Saves wait in AsyncCheckpointIO's queue, out of the plugin's sight."""
+        return self.mode == "wrapped"
 
 
 def stories() -> st.SearchStrategy[Story]:
@@ -88,7 +97,7 @@ def stories() -> st.SearchStrategy[Story]:
         policy=st.sampled_from(POLICIES),
         variants=variant_lists(),
         full_every=st.sampled_from([1, 2, 3, 10]),
-        use_async=st.booleans(),
+        mode=st.sampled_from(["sync", "async_save", "wrapped"]),
         ops=st.lists(op, min_size=2, max_size=12).map(tuple),
     )
 
@@ -128,10 +137,11 @@ def test_random_checkpoints_through_lightnings_checkpoint_io(story: Story, tmp_p
     trainer = Trainer(story.scenario)
 
     def new_io() -> tuple[InkCheckpointIO, Any]:
-        ink_io = InkCheckpointIO(policy_named(story.policy, story.variants), full_every=story.full_every)
+        ink_io = InkCheckpointIO(policy_named(story.policy, story.variants), full_every=story.full_every,
+                                 async_save=story.mode == "async_save")
         if story.scenario.watch:
             ink_io.watch(trainer.model)
-        return ink_io, AsyncCheckpointIO(ink_io) if story.use_async else ink_io
+        return ink_io, AsyncCheckpointIO(ink_io) if story.queued else ink_io
 
     def current_keyframe(ink_io: InkCheckpointIO) -> Any:
         store = ink_io._stores.get(folder.absolute())
@@ -145,11 +155,11 @@ def test_random_checkpoints_through_lightnings_checkpoint_io(story: Story, tmp_p
 
     def drain() -> Any:
         """Tear the plugin down as Lightning does; the current keyframe it leaves (behind
-        AsyncCheckpointIO, once the queued saves landed)."""
-        keyframe = None if story.use_async else current_keyframe(writer)
+        AsyncCheckpointIO, once the queued saves landed; the plugin's own teardown leaves none)."""
+        keyframe = current_keyframe(writer) if story.mode == "sync" else None
         io.teardown()
         queued.clear()
-        return current_keyframe(writer) if story.use_async else keyframe
+        return current_keyframe(writer) if story.mode != "sync" else keyframe
 
     for op in story.ops:
         path = folder / op.name
@@ -158,19 +168,26 @@ def test_random_checkpoints_through_lightnings_checkpoint_io(story: Story, tmp_p
             checkpoint = {"state_dict": state["model"], "optimizer_states": [state["optimizer"]],
                           "global_step": state["step"], "epoch": 0}
             io.save_checkpoint(checkpoint, path)
-            # What is stored is what AsyncCheckpointIO cloned, one tensor at a time.
-            saved[op.name] = apply_to_collection(checkpoint, torch.Tensor, torch.clone) if story.use_async else checkpoint
+            # What is stored is what was copied before save_checkpoint returned (training
+            # goes on mutating the tensors): by the plugin, tied tensors staying one; by
+            # AsyncCheckpointIO, one tensor at a time.
+            if story.mode == "async_save":
+                saved[op.name] = clone(checkpoint)
+            elif story.mode == "wrapped":
+                saved[op.name] = apply_to_collection(checkpoint, torch.Tensor, torch.clone)
+            else:
+                saved[op.name] = checkpoint
             maybe.pop(op.name, None)
             queued.add(op.name)
             writer = ink_io
         elif op.kind == "remove":
-            if story.use_async and op.name not in queued and not path.exists():
+            if story.queued and op.name not in queued and not path.exists():
                 continue  # would mark the name's next save as removed: see InkCheckpointIO
             io.remove_checkpoint(path)
-            if story.use_async and op.name in queued and op.name in saved:
+            if story.queued and op.name in queued and op.name in saved:
                 maybe[op.name] = saved[op.name]
             saved.pop(op.name, None)
-        elif op.kind == "load" and not story.use_async:
+        elif op.kind == "load" and not story.queued:
             if op.name in saved:
                 assert problems(saved[op.name], io.load_checkpoint(path), bounded=False) == []
             else:

@@ -11,8 +11,10 @@ Add the ``InkWatch()`` callback to let the policy watch the module (what
 ``CheckpointManager.watch`` does: DynaQuant's gradient sensitivity, and frozen layers kept
 on their stored levels); a ``CheckpointIO`` alone never sees the model.
 
-Wrap it in Lightning's ``AsyncCheckpointIO`` to compress and write off the training
-thread. Each ``.ckpt`` is a delta against a keyframe kept in ``.ink-keyframes/`` beside
+``InkCheckpointIO(async_save=True)`` compresses and writes off the training thread: a
+save copies the checkpoint's tensors and returns, the next one waits for it. (Lightning's
+``AsyncCheckpointIO`` wrapper works too, but its queue is out of the plugin's sight; see
+the class.) Each ``.ckpt`` is a delta against a keyframe kept in ``.ink-keyframes/`` beside
 it (see :mod:`inshrinkerator.integrations._keyframes`), so ``ModelCheckpoint`` may delete
 any checkpoint (``save_top_k``) and every checkpoint it keeps still restores.
 """
@@ -43,6 +45,8 @@ except ImportError:  # the standalone packages
 from ..errors import CheckpointNotFoundError
 from ..policies import Policy
 from ..store import policy_or_default, watch_with
+from ..store.async_worker import BackgroundWorker
+from ..store.snapshot import SpareBuffers, snapshot_state
 from ._keyframes import KEYFRAME_DIR, KeyframeStore
 
 __all__ = ["InkCheckpointIO", "InkWatch"]
@@ -77,25 +81,45 @@ class InkCheckpointIO(CheckpointIO):
             the manager's default policy).
         full_every: a new keyframe every this many saves in a folder; the others are
             deltas against it.
+        async_save: compress and write on a background thread. ``save_checkpoint`` copies
+            the checkpoint's tensors to the CPU and returns; the next save (and a load, and
+            ``teardown``) first waits for the one in flight, and raises
+            :class:`~inshrinkerator.AsyncSaveError` if it failed. Removing the path of the
+            save in flight waits for it to land, then deletes it; any other removal deletes
+            at once, so a later save to the same path is always kept.
 
     Paths are local files. Loading also accepts a plain ``.ink`` file.
 
-    Behind ``AsyncCheckpointIO``, removing a path that has no file yet marks it: the next
-    save to it that runs on another thread (the queued one the removal overtook) is deleted
-    when it lands. ``teardown`` deletes keyframes no checkpoint needs.
+    Behind Lightning's ``AsyncCheckpointIO`` instead, saves wait in a queue this plugin
+    cannot see while removals run on the training thread: removing a path that has no file
+    yet marks it, and the next save to it that runs on another thread (the queued one the
+    removal overtook) is deleted when it lands. A path removed with neither a file nor a
+    queued save therefore loses its next queued save; ``async_save=True`` has no such case.
+    ``teardown`` deletes keyframes no checkpoint needs.
     """
 
-    def __init__(self, policy: Union[str, Policy, None] = None, full_every: int = 10) -> None:
+    def __init__(
+        self, policy: Union[str, Policy, None] = None, full_every: int = 10, async_save: bool = False,
+    ) -> None:
         super().__init__()
+        if not isinstance(async_save, bool):
+            raise TypeError(f"async_save must be a bool, got {async_save!r}")
         # One policy object for every folder: it carries what it watched.
         self.policy: Policy = policy_or_default(policy)
         self.full_every = full_every
+        self.async_save = async_save
         self._stores: dict[Path, KeyframeStore] = {}
         self._lock = threading.Lock()
         # Paths Lightning removed before their save ran (AsyncCheckpointIO queues saves
         # but removes on the caller's thread): deleted as soon as their save lands, if it
-        # runs on another thread than the removal (a save on the removing thread came after it).
+        # was asked for on another thread than the removal (a save asked for on the
+        # removing thread came after it).
         self._removed_early: dict[Path, int] = {}
+        # async_save: the background thread (made at the first save), the path of the save
+        # in flight, and fresh buffers laid out like the last checkpoint for the next copy.
+        self._worker: Optional[BackgroundWorker] = None
+        self._in_flight: Optional[Path] = None
+        self._spare: Optional[SpareBuffers] = None
 
     def _store(self, path: Path) -> KeyframeStore:
         folder = path.parent
@@ -120,20 +144,59 @@ class InkCheckpointIO(CheckpointIO):
         self, checkpoint: dict[str, Any], path: Union[str, "os.PathLike[str]"],
         storage_options: Optional[Any] = None,
     ) -> None:
-        """Compress ``checkpoint`` into ``path``.
+        """Compress ``checkpoint`` into ``path`` (with ``async_save``: a copy of it, in the
+        background).
 
         Raises:
             TypeError: ``storage_options`` was given (there are none).
             UnsupportedStateError: the checkpoint holds a value that cannot be stored.
+            AsyncSaveError: the previous background save failed (this one is not started).
         """
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} takes no storage_options")
         target = self._local(path)
-        self._store(target).save(_plain(checkpoint), target, step=checkpoint.get("global_step"))
+        plain = _plain(checkpoint)
+        step = plain.get("global_step") if isinstance(plain, dict) else None
+        asker = threading.get_ident()
+        if not self.async_save:
+            self._write(plain, target, step, asker)
+            return
+        self.wait()
+        snapshot = snapshot_state(plain, self._spare)  # on this thread: training goes on mutating
+        self._spare = None
+        held = [snapshot]
+
+        def job() -> None:
+            taken = held.pop()
+            self._write(taken.state, target, step, asker)
+            layout = SpareBuffers.layout_of(taken.tensors)
+            del taken
+            self._spare = SpareBuffers(layout)
+
+        if self._worker is None:
+            self._worker = BackgroundWorker("inshrink-lightning")
+        self._in_flight = target
+        self._worker.submit(job, f"saving checkpoint {target}")
+
+    def _write(self, checkpoint: Any, target: Path, step: Any, asker: int) -> None:
+        self._store(target).save(checkpoint, target, step=step)
         with self._lock:
             remover = self._removed_early.pop(target, None)
-        if remover is not None and remover != threading.get_ident():
+        if remover is not None and remover != asker:
             self._store(target).remove(target)
+
+    def wait(self) -> None:
+        """Wait for the background save in flight, if any (``async_save``).
+
+        Raises:
+            AsyncSaveError: it failed; chained to the original exception.
+        """
+        if self._worker is None:
+            return
+        try:
+            self._worker.result()
+        finally:
+            self._in_flight = None
 
     def load_checkpoint(
         self, path: Union[str, "os.PathLike[str]"], map_location: Optional[Any] = None,
@@ -141,13 +204,16 @@ class InkCheckpointIO(CheckpointIO):
     ) -> dict[str, Any]:
         """The checkpoint at ``path``; tensors moved to ``map_location`` if it names a device.
 
-        No pickle is involved, so ``weights_only`` changes nothing.
+        No pickle is involved, so ``weights_only`` changes nothing. With ``async_save``,
+        the save in flight lands first.
 
         Raises:
             FileNotFoundError (CheckpointNotFoundError): no checkpoint at ``path``.
             BrokenChainError: its keyframe was deleted by hand.
+            AsyncSaveError: the background save in flight failed.
         """
         target = self._local(path)
+        self.wait()
         if not target.exists():
             raise CheckpointNotFoundError(f"Checkpoint file not found: {target}")
         checkpoint = self._store(target).load(target)
@@ -156,8 +222,20 @@ class InkCheckpointIO(CheckpointIO):
         return checkpoint
 
     def remove_checkpoint(self, path: Union[str, "os.PathLike[str]"]) -> None:
-        """Delete the checkpoint at ``path``; keyframes go once no kept checkpoint needs them."""
+        """Delete the checkpoint at ``path``; keyframes go once no kept checkpoint needs them.
+
+        Raises:
+            AsyncSaveError: it was the path of the background save in flight, and that
+                save failed (the path is removed all the same).
+        """
         target = self._local(path)
+        try:
+            if self._in_flight == target:  # its save lands first, then goes
+                self.wait()
+        finally:
+            self._remove(target)
+
+    def _remove(self, target: Path) -> None:
         if not target.exists():
             with self._lock:
                 self._removed_early[target] = threading.get_ident()
@@ -170,12 +248,25 @@ class InkCheckpointIO(CheckpointIO):
         watch_with(self.policy, model)
 
     def teardown(self) -> None:
-        """Forget the folders' current keyframes; delete those no checkpoint needs."""
-        with self._lock:
-            stores = list(self._stores.values())
-            self._stores.clear()
-        for store in stores:
-            store.close()
+        """Let the save in flight land; forget the folders' current keyframes and delete those
+        no checkpoint needs.
+
+        Raises:
+            AsyncSaveError: the background save in flight failed (the keyframes are
+                cleaned up all the same).
+        """
+        try:
+            self.wait()
+        finally:
+            worker, self._worker = self._worker, None
+            self._spare = None
+            if worker is not None:
+                worker.shutdown()
+            with self._lock:
+                stores = list(self._stores.values())
+                self._stores.clear()
+            for store in stores:
+                store.close()
 
 
 def _ink_checkpoint_io(io: Any) -> Optional[InkCheckpointIO]:
