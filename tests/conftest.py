@@ -3,6 +3,8 @@ import os
 import pytest
 import torch
 
+from tests.s3_server import s3_bucket  # noqa: F401  (a fixture: a moto S3 server and bucket per module)
+
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 

@@ -4,7 +4,7 @@ What ``ModelCheckpoint`` does to a folder, in random order: save checkpoints of 
 random training states of ``tests/policies/random_states.py`` under a few names
 (``last.ckpt`` is saved over again and again), remove some (``save_top_k``), load some,
 and restart (a new plugin, as a resumed run has), perhaps with ``async_save=True`` or
-behind ``AsyncCheckpointIO``.
+behind ``AsyncCheckpointIO``, in a local folder or a ``memory://`` one (an fsspec store).
 After every restart and at the end:
 
 - every checkpoint on disk restores, by a fresh plugin, what was last saved under its
@@ -25,8 +25,8 @@ cannot see AsyncCheckpointIO's queue): those stories remove nothing then.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -39,7 +39,14 @@ import torch  # noqa: E402
 from lightning.pytorch.plugins.io import AsyncCheckpointIO  # noqa: E402
 from lightning_utilities.core.apply_func import apply_to_collection  # noqa: E402
 
-from inshrinkerator.integrations._keyframes import KEYFRAME_DIR  # noqa: E402
+from inshrinkerator.integrations._keyframes import (  # noqa: E402
+    KEYFRAME_DIR,
+    exists,
+    join,
+    location,
+    names_in,
+    remove_folder,
+)
 from inshrinkerator.integrations.lightning import InkCheckpointIO  # noqa: E402
 from inshrinkerator.single_file import open_container  # noqa: E402
 from tests.policies.dynaquant_states import one_thread  # noqa: E402,F401  (autouse fixture)
@@ -63,6 +70,7 @@ from tests.policies.random_states import (  # noqa: E402
 pytestmark = [pytest.mark.timeout(0)] if LONG else []
 
 NAMES = ("last.ckpt", "last.ckpt", "epoch=0.ckpt", "epoch=1.ckpt", "epoch=2.ckpt")
+_folders = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -79,6 +87,7 @@ class Story:
     variants: tuple[str, ...]
     full_every: int
     mode: str  # "sync", "async_save" (the plugin's own thread) or "wrapped" (AsyncCheckpointIO)
+    in_memory: bool  # a memory:// folder instead of a local one
     ops: tuple[Op, ...]
 
     @property
@@ -98,21 +107,22 @@ def stories() -> st.SearchStrategy[Story]:
         variants=variant_lists(),
         full_every=st.sampled_from([1, 2, 3, 10]),
         mode=st.sampled_from(["sync", "async_save", "wrapped"]),
+        in_memory=st.booleans(),
         ops=st.lists(op, min_size=2, max_size=12).map(tuple),
     )
 
 
-def check_folder(story: Story, folder: Path, saved: dict[str, Any], maybe: dict[str, Any], current_keyframe: Any) -> None:
+def check_folder(story: Story, folder: str, saved: dict[str, Any], maybe: dict[str, Any], current_keyframe: Any) -> None:
     """Every checkpoint restores what its name last held (``maybe``: a removal raced that
     save; the file may be there or not); no keyframe is left unneeded. Settles ``maybe``."""
     reader = InkCheckpointIO()
     needed = set()
     for name in sorted(set(NAMES)):
-        path = folder / name
-        if name in maybe and path.exists():
+        path = join(folder, name)
+        if name in maybe and exists(path):
             saved[name] = maybe[name]
         if name not in saved:
-            assert not path.exists(), name
+            assert not exists(path), name
             with pytest.raises(FileNotFoundError):
                 reader.load_checkpoint(path)
             continue
@@ -126,14 +136,25 @@ def check_folder(story: Story, folder: Path, saved: dict[str, Any], maybe: dict[
         with open_container(path) as container:
             needed.add(container.meta.get("keyframe"))
     maybe.clear()
-    kept = {path.stem for path in (folder / KEYFRAME_DIR).glob("*.ink")}
+    kept = {name[: -len(".ink")] for name in names_in(join(folder, KEYFRAME_DIR)) if name.endswith(".ink")}
     assert kept <= needed | {current_keyframe}, f"keyframes {sorted(kept - needed)} are needed by no checkpoint"
 
 
 @fuzz_settings(25)
 @given(story=stories())
 def test_random_checkpoints_through_lightnings_checkpoint_io(story: Story, tmp_path_factory: Any) -> None:
-    folder: Path = tmp_path_factory.mktemp("lightning")
+    if story.in_memory:
+        folder = f"memory://lightning-io-{next(_folders)}"
+    else:
+        folder = location(tmp_path_factory.mktemp("lightning"))
+    try:
+        run_story(story, folder)
+    finally:
+        if story.in_memory:
+            remove_folder(folder)
+
+
+def run_story(story: Story, folder: str) -> None:
     trainer = Trainer(story.scenario)
 
     def new_io() -> tuple[InkCheckpointIO, Any]:
@@ -144,7 +165,7 @@ def test_random_checkpoints_through_lightnings_checkpoint_io(story: Story, tmp_p
         return ink_io, AsyncCheckpointIO(ink_io) if story.queued else ink_io
 
     def current_keyframe(ink_io: InkCheckpointIO) -> Any:
-        store = ink_io._stores.get(folder.absolute())
+        store = ink_io._stores.get(folder)
         return store._keyframe if store is not None else None
 
     ink_io, io = new_io()
@@ -162,7 +183,7 @@ def test_random_checkpoints_through_lightnings_checkpoint_io(story: Story, tmp_p
         return current_keyframe(writer) if story.mode != "sync" else keyframe
 
     for op in story.ops:
-        path = folder / op.name
+        path = join(folder, op.name)
         if op.kind == "save":
             state = trainer.train(op.plan)
             checkpoint = {"state_dict": state["model"], "optimizer_states": [state["optimizer"]],
@@ -181,7 +202,7 @@ def test_random_checkpoints_through_lightnings_checkpoint_io(story: Story, tmp_p
             queued.add(op.name)
             writer = ink_io
         elif op.kind == "remove":
-            if story.queued and op.name not in queued and not path.exists():
+            if story.queued and op.name not in queued and not exists(path):
                 continue  # would mark the name's next save as removed: see InkCheckpointIO
             io.remove_checkpoint(path)
             if story.queued and op.name in queued and op.name in saved:

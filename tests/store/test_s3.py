@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import logging
-import socket
 
 import pytest
 from hypothesis import given
@@ -16,7 +14,7 @@ from inshrinkerator.store import CheckpointManager, describe_run, is_run, verify
 from inshrinkerator.store.manifest import data_name  # noqa: E402
 from inshrinkerator.store.storage import FsspecRunStorage, open_storage  # noqa: E402
 
-from ..helpers import assert_same, point_aws_at_loopback  # noqa: E402
+from ..helpers import assert_same  # noqa: E402
 from ..policies.random_states import (  # noqa: E402
     LONG,
     Scenario,
@@ -27,32 +25,7 @@ from ..policies.random_states import (  # noqa: E402
 )
 from .support import state_for  # noqa: E402
 
-BUCKET = "ink-runs"
 _runs = itertools.count()
-
-
-def _free_loopback_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def s3_bucket():
-    """A moto S3 server on 127.0.0.1 with one bucket; dummy credentials, endpoint via env."""
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    port = _free_loopback_port()
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    try:
-        with pytest.MonkeyPatch.context() as env:
-            point_aws_at_loopback(env, port)
-            s3fs.S3FileSystem.clear_instance_cache()
-            s3fs.S3FileSystem().mkdir(BUCKET)
-            yield f"s3://{BUCKET}"
-            s3fs.S3FileSystem.clear_instance_cache()
-    finally:
-        server.stop()
 
 
 @pytest.fixture

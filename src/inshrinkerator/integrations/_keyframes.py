@@ -11,12 +11,18 @@ restores from its own file plus one keyframe.
 
 Deltas are taken against the keyframe as a reader will decode it (closed loop), so a
 lossy policy's error never accumulates.
+
+Checkpoints and keyframes live in a local folder or behind an fsspec URL (``s3://``,
+``memory://``, ...). A remote file is uploaded whole once it is encoded (it is compressed:
+a fraction of the state in memory), so a failed save leaves the earlier file as it was.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import os
+import posixpath
 import shutil
 import tempfile
 import threading
@@ -26,6 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any, Optional, Union
 
+import fsspec
 import torch
 
 from ..errors import BrokenChainError, CheckpointNotFoundError
@@ -34,6 +41,7 @@ from ..policies import Policy
 from ..serialize import read_state, reference_map, write_state
 from ..single_file import open_container
 from ..store import policy_or_default
+from ..store.remote_errors import translated
 
 __all__ = ["KeyframeStore", "KEYFRAME_DIR"]
 
@@ -42,31 +50,158 @@ KEYFRAME_DIR = ".ink-keyframes"
 _META_KEY = "keyframe"
 
 
-def _write_atomically(path: Path, write: Callable[[IO[bytes]], Any]) -> Any:
-    """Write ``path`` under a temporary name, fsync, rename: readers never see half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+Where = Union[str, "os.PathLike[str]"]
+
+
+def location(where: Where) -> str:
+    """A checkpoint's or folder's place as one string: an fsspec URL as given (no trailing
+    ``/``), a local path made absolute."""
+    text = os.fspath(where)
+    if "://" in text:
+        return text.rstrip("/")
+    return str(Path(text).absolute())
+
+
+def _is_url(where: str) -> bool:
+    return "://" in where
+
+
+def _fs_path(where: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    with translated(where):
+        return fsspec.core.url_to_fs(where)
+
+
+def join(folder: str, *names: str) -> str:
+    """``folder / names``, with ``..`` resolved (in the path part of a URL too)."""
+    if not _is_url(folder):
+        return os.path.normpath(os.path.join(folder, *names))
+    protocol, rest = folder.split("://", 1)
+    return f"{protocol}://{posixpath.normpath(posixpath.join(rest, *names))}"
+
+
+def parent(where: str) -> str:
+    if not _is_url(where):
+        return os.path.dirname(where)
+    protocol, rest = where.split("://", 1)
+    return f"{protocol}://{posixpath.dirname(rest)}"
+
+
+def name_of(where: str) -> str:
+    return posixpath.basename(where) if _is_url(where) else os.path.basename(where)
+
+
+def relative(folder: str, start: str) -> str:
+    """``folder`` relative to ``start`` (both local, or both URLs of one store)."""
+    if not _is_url(folder):
+        return os.path.relpath(folder, start)
+    return posixpath.relpath(folder.split("://", 1)[1], start.split("://", 1)[1])
+
+
+def exists(where: str) -> bool:
+    if not _is_url(where):
+        return os.path.exists(where)
+    fs, path = _fs_path(where)
+    with translated(where):
+        fs.invalidate_cache(posixpath.dirname(path))  # another process may have written
+        return bool(fs.exists(path))
+
+
+def remove_file(where: str) -> None:
+    if not _is_url(where):
+        Path(where).unlink(missing_ok=True)
+        return
+    fs, path = _fs_path(where)
+    with translated(where):
+        try:
+            fs.rm_file(path)
+        except FileNotFoundError:
+            pass
+
+
+def names_in(folder: str) -> list[str]:
+    """The names of the files and folders in ``folder`` ([] if there is none)."""
+    if not _is_url(folder):
+        try:
+            return sorted(os.listdir(folder))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+    fs, path = _fs_path(folder)
+    with translated(folder):
+        fs.invalidate_cache(path)
+        try:
+            entries = fs.ls(path, detail=False)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+    paths = [str(entry).rstrip("/") for entry in entries]
+    return sorted(posixpath.basename(entry) for entry in paths if entry != path.rstrip("/"))
+
+
+def remove_folder(folder: str) -> None:
+    if not _is_url(folder):
+        shutil.rmtree(folder, ignore_errors=True)
+        return
+    fs, path = _fs_path(folder)
+    with translated(folder):
+        try:
+            fs.rm(path, recursive=True)
+        except FileNotFoundError:  # object stores: gone with its last file
+            pass
+
+
+def write_text(where: str, text: str) -> None:
+    if not _is_url(where):
+        Path(where).parent.mkdir(parents=True, exist_ok=True)
+        Path(where).write_text(text, encoding="utf-8")
+        return
+    fs, path = _fs_path(where)
+    with translated(where):
+        fs.pipe_file(path, text.encode("utf-8"))
+
+
+def read_text(where: str) -> str:
+    if not _is_url(where):
+        return Path(where).read_text(encoding="utf-8")
+    fs, path = _fs_path(where)
+    with translated(where):
+        return bytes(fs.cat_file(path)).decode("utf-8")
+
+
+def write_atomically(where: str, write: Callable[[IO[bytes]], Any]) -> Any:
+    """Write ``where`` so that readers never see half a file: locally under a temporary
+    name, fsync, rename; remotely one upload of the whole file once ``write`` is done (some
+    stores, ``memory://`` among them, show an open file's bytes as they are written)."""
+    if _is_url(where):
+        fs, path = _fs_path(where)
+        buffer = io.BytesIO()
+        result = write(buffer)
+        with translated(where):
+            fs.pipe_file(path, buffer.getvalue())
+        return result
+    target = Path(where)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
         with os.fdopen(fd, "wb") as handle:
             result = write(handle)
             handle.flush()
             os.fsync(handle.fileno())
-        os.replace(temporary, path)
+        os.replace(temporary, target)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
     return result
 
 
-def _ref_name(target: Path) -> str:
-    return hashlib.sha1(str(target).encode("utf-8")).hexdigest()[:20]
+def _ref_name(target: str) -> str:
+    return hashlib.sha1(target.encode("utf-8")).hexdigest()[:20]
 
 
 class KeyframeStore:
     """Checkpoint files that each restore from themselves plus one shared keyframe.
 
     Args:
-        root: the keyframe folder (created on first save).
+        root: the keyframe folder (created on first save): a local path or an fsspec URL,
+            on the same store as the checkpoints.
         policy: a policy name, spec (``"dynaquant:tolerance=0.01"``) or object; the default
             is the manager's default policy.
         full_every: a new keyframe every this many saves (1: every save is a keyframe).
@@ -81,7 +216,7 @@ class KeyframeStore:
     ) -> None:
         if not isinstance(full_every, int) or isinstance(full_every, bool) or full_every < 1:
             raise ValueError(f"full_every must be a positive int, got {full_every!r}")
-        self.root = Path(root).absolute()
+        self.root = location(root)
         self.policy = policy_or_default(policy)
         self.full_every = full_every
         self._lock = threading.RLock()
@@ -99,17 +234,17 @@ class KeyframeStore:
             UnsupportedStateError: the state holds a value that cannot be stored.
         """
         started = time.perf_counter()
-        target = Path(target).absolute()
+        target = location(target)
         with self._lock:
-            previous = self._keyframe_of(target) if target.exists() else None
+            previous = self._keyframe_of(target) if exists(target) else None
             stored = 0
             if self._keyframe is None or self._saves_since_keyframe >= self.full_every:
                 stored += self._new_keyframe(state)
             keyframe, reference = str(self._keyframe), self._reference
             self._saves_since_keyframe += 1
             self._add_ref(keyframe, target)
-        meta = {_META_KEY: keyframe, "keyframe_dir": os.path.relpath(self.root, target.parent)}
-        written = _write_atomically(
+        meta = {_META_KEY: keyframe, "keyframe_dir": relative(self.root, parent(target))}
+        written = write_atomically(
             target,
             lambda out: write_state(out, state, self.policy, reference, reference_name=keyframe, meta=meta),
         )
@@ -129,11 +264,10 @@ class KeyframeStore:
 
     def _new_keyframe(self, state: Any) -> int:
         keyframe = f"kf-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
-        written = _write_atomically(
-            self.root / f"{keyframe}.ink",
+        written = write_atomically(
+            join(self.root, f"{keyframe}.ink"),
             lambda out: write_state(out, state, self.policy, keep_reconstruction=True),
         )
-        (self.root / f"{keyframe}.refs").mkdir(exist_ok=True)
         old = self._keyframe
         # A lossless reconstruction is the caller's live tensor (training goes on mutating
         # it): keep a copy, or later deltas would be taken against a moving reference.
@@ -156,7 +290,7 @@ class KeyframeStore:
             BrokenChainError: its keyframe is missing (deleted by hand).
             FormatError / CorruptCheckpointError: not a valid or an intact file.
         """
-        source = Path(target)
+        source = location(target)
         with open_container(source) as reader:
             keyframe = reader.meta.get(_META_KEY)
             if keyframe is None:  # a plain .ink file (e.g. made with ink.save) loads as is
@@ -164,14 +298,17 @@ class KeyframeStore:
             folder = reader.meta.get("keyframe_dir", KEYFRAME_DIR)
             if not isinstance(keyframe, str) or not isinstance(folder, str) or "/" in keyframe:
                 raise BrokenChainError(f"{source}: bad keyframe reference {keyframe!r}")
-            keyframe_path = Path(os.path.realpath(source)).parent / folder / f"{keyframe}.ink"
+            # A local checkpoint may be a link (Lightning's save_last="link"): its keyframe is
+            # beside the file it points to.
+            real = source if _is_url(source) else os.path.realpath(source)
+            keyframe_path = join(parent(real), folder, f"{keyframe}.ink")
             references = self._keyframe_reference(keyframe, keyframe_path, source)
             return read_state(
                 reader, references,
                 reference_hint=f"keyframe {keyframe_path} does not match; was it replaced by hand?",
             )
 
-    def _keyframe_reference(self, keyframe: str, path: Path, source: Path) -> dict[str, torch.Tensor]:
+    def _keyframe_reference(self, keyframe: str, path: str, source: str) -> dict[str, torch.Tensor]:
         with self._lock:
             if keyframe == self._keyframe and self._reference is not None:
                 return self._reference
@@ -193,10 +330,10 @@ class KeyframeStore:
 
     def remove(self, target: Union[str, "os.PathLike[str]"]) -> None:
         """Delete the checkpoint at ``target`` and every keyframe no checkpoint needs any more."""
-        target = Path(target).absolute()
+        target = location(target)
         with self._lock:
-            keyframe = self._keyframe_of(target) if target.exists() else None
-            target.unlink(missing_ok=True)
+            keyframe = self._keyframe_of(target) if exists(target) else None
+            remove_file(target)
             if keyframe is not None:
                 self._drop_ref(keyframe, target)
 
@@ -204,10 +341,9 @@ class KeyframeStore:
         """Delete keyframes that no existing checkpoint refers to (after the framework deleted
         checkpoints itself, e.g. with ``shutil.rmtree``)."""
         with self._lock:
-            if not self.root.is_dir():
-                return
-            for path in self.root.glob("*.ink"):
-                self._collect_one(path.stem)
+            for name in names_in(self.root):
+                if name.endswith(".ink"):
+                    self._collect_one(name[: -len(".ink")])
 
     def close(self) -> None:
         """Stop saving here: the next save starts a new keyframe, and keyframes no existing
@@ -217,7 +353,7 @@ class KeyframeStore:
             self._saves_since_keyframe = 0
             self.collect()
 
-    def _keyframe_of(self, target: Path) -> Optional[str]:
+    def _keyframe_of(self, target: str) -> Optional[str]:
         try:
             with open_container(target) as reader:
                 keyframe = reader.meta.get(_META_KEY)
@@ -225,26 +361,24 @@ class KeyframeStore:
             return None
         return keyframe if isinstance(keyframe, str) else None
 
-    def _add_ref(self, keyframe: str, target: Path) -> None:
-        refs = self.root / f"{keyframe}.refs"
-        refs.mkdir(parents=True, exist_ok=True)
-        (refs / _ref_name(target)).write_text(str(target), encoding="utf-8")
+    def _add_ref(self, keyframe: str, target: str) -> None:
+        write_text(join(self.root, f"{keyframe}.refs", _ref_name(target)), target)
 
-    def _drop_ref(self, keyframe: str, target: Path) -> None:
-        (self.root / f"{keyframe}.refs" / _ref_name(target)).unlink(missing_ok=True)
+    def _drop_ref(self, keyframe: str, target: str) -> None:
+        remove_file(join(self.root, f"{keyframe}.refs", _ref_name(target)))
         self._collect_one(keyframe)
 
     def _collect_one(self, keyframe: str) -> None:
         if keyframe == self._keyframe:
             return
-        refs = self.root / f"{keyframe}.refs"
-        if refs.is_dir():
-            for ref in refs.iterdir():
-                target = Path(ref.read_text(encoding="utf-8"))
-                if target.exists() and self._keyframe_of(target) == keyframe:
-                    return
-                ref.unlink(missing_ok=True)
-        (self.root / f"{keyframe}.ink").unlink(missing_ok=True)
-        shutil.rmtree(refs, ignore_errors=True)
+        refs = join(self.root, f"{keyframe}.refs")
+        for name in names_in(refs):
+            ref = join(refs, name)
+            target = read_text(ref)
+            if exists(target) and self._keyframe_of(target) == keyframe:
+                return
+            remove_file(ref)
+        remove_file(join(self.root, f"{keyframe}.ink"))
+        remove_folder(refs)
         if self._cached[0] == keyframe:
             self._cached = (None, None)

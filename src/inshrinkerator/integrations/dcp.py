@@ -56,8 +56,8 @@ from ..errors import CheckpointNotFoundError, FormatError, UnsupportedStateError
 from ..policies import Policy
 from ..serialize import read_state, write_state
 from ..single_file import open_container
-from ..tree import flatten, unflatten
 from ..store import policy_or_default
+from ..tree import flatten, unflatten
 
 __all__ = ["InkStorageWriter", "InkStorageReader", "InkSavePlanner", "InkLoadPlanner", "METADATA_FILE"]
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
@@ -47,7 +46,7 @@ from ..policies import Policy
 from ..store import policy_or_default, watch_with
 from ..store.async_worker import BackgroundWorker
 from ..store.snapshot import SpareBuffers, snapshot_state
-from ._keyframes import KEYFRAME_DIR, KeyframeStore
+from ._keyframes import KEYFRAME_DIR, KeyframeStore, exists, join, location, parent
 
 __all__ = ["InkCheckpointIO", "InkWatch"]
 
@@ -88,7 +87,8 @@ class InkCheckpointIO(CheckpointIO):
             save in flight waits for it to land, then deletes it; any other removal deletes
             at once, so a later save to the same path is always kept.
 
-    Paths are local files. Loading also accepts a plain ``.ink`` file.
+    Paths are local files or fsspec URLs (``ModelCheckpoint(dirpath="s3://bucket/ckpt")``;
+    the keyframes go to the same store). Loading also accepts a plain ``.ink`` file.
 
     Behind Lightning's ``AsyncCheckpointIO`` instead, saves wait in a queue this plugin
     cannot see while removals run on the training thread: removing a path that has no file
@@ -108,37 +108,28 @@ class InkCheckpointIO(CheckpointIO):
         self.policy: Policy = policy_or_default(policy)
         self.full_every = full_every
         self.async_save = async_save
-        self._stores: dict[Path, KeyframeStore] = {}
+        self._stores: dict[str, KeyframeStore] = {}
         self._lock = threading.Lock()
         # Paths Lightning removed before their save ran (AsyncCheckpointIO queues saves
         # but removes on the caller's thread): deleted as soon as their save lands, if it
         # was asked for on another thread than the removal (a save asked for on the
         # removing thread came after it).
-        self._removed_early: dict[Path, int] = {}
+        self._removed_early: dict[str, int] = {}
         # async_save: the background thread (made at the first save), the path of the save
         # in flight, and fresh buffers laid out like the last checkpoint for the next copy.
         self._worker: Optional[BackgroundWorker] = None
-        self._in_flight: Optional[Path] = None
+        self._in_flight: Optional[str] = None
         self._spare: Optional[SpareBuffers] = None
 
-    def _store(self, path: Path) -> KeyframeStore:
-        folder = path.parent
+    def _store(self, path: str) -> KeyframeStore:
+        folder = parent(path)
         with self._lock:
             store = self._stores.get(folder)
             if store is None:
-                store = KeyframeStore(folder / KEYFRAME_DIR, self.policy, self.full_every)
+                store = KeyframeStore(join(folder, KEYFRAME_DIR), self.policy, self.full_every)
                 self._stores[folder] = store
             return store
 
-    @staticmethod
-    def _local(path: Union[str, "os.PathLike[str]"]) -> Path:
-        text = os.fspath(path)
-        if "://" in text:
-            raise ValueError(
-                f"{text}: InkCheckpointIO writes local paths only; for object stores use "
-                "inshrinkerator.CheckpointManager"
-            )
-        return Path(text).absolute()
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Union[str, "os.PathLike[str]"],
@@ -154,7 +145,7 @@ class InkCheckpointIO(CheckpointIO):
         """
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} takes no storage_options")
-        target = self._local(path)
+        target = location(path)
         plain = _plain(checkpoint)
         step = plain.get("global_step") if isinstance(plain, dict) else None
         asker = threading.get_ident()
@@ -178,7 +169,7 @@ class InkCheckpointIO(CheckpointIO):
         self._in_flight = target
         self._worker.submit(job, f"saving checkpoint {target}")
 
-    def _write(self, checkpoint: Any, target: Path, step: Any, asker: int) -> None:
+    def _write(self, checkpoint: Any, target: str, step: Any, asker: int) -> None:
         self._store(target).save(checkpoint, target, step=step)
         with self._lock:
             remover = self._removed_early.pop(target, None)
@@ -212,9 +203,9 @@ class InkCheckpointIO(CheckpointIO):
             BrokenChainError: its keyframe was deleted by hand.
             AsyncSaveError: the background save in flight failed.
         """
-        target = self._local(path)
+        target = location(path)
         self.wait()
-        if not target.exists():
+        if not exists(target):
             raise CheckpointNotFoundError(f"Checkpoint file not found: {target}")
         checkpoint = self._store(target).load(target)
         if isinstance(map_location, (str, torch.device)):
@@ -228,15 +219,15 @@ class InkCheckpointIO(CheckpointIO):
             AsyncSaveError: it was the path of the background save in flight, and that
                 save failed (the path is removed all the same).
         """
-        target = self._local(path)
+        target = location(path)
         try:
             if self._in_flight == target:  # its save lands first, then goes
                 self.wait()
         finally:
             self._remove(target)
 
-    def _remove(self, target: Path) -> None:
-        if not target.exists():
+    def _remove(self, target: str) -> None:
+        if not exists(target):
             with self._lock:
                 self._removed_early[target] = threading.get_ident()
             return
