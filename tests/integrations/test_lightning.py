@@ -163,24 +163,52 @@ def test_async_save_stores_the_checkpoint_as_it_was_when_save_returned(
     assert_same(InkCheckpointIO().load_checkpoint(tmp_path / "a.ckpt"), expected)
 
 
-def test_async_save_removing_the_save_in_flight_waits_for_it_then_deletes_it(
+def test_async_save_removing_the_save_in_flight_deletes_it_once_it_lands(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     held = _HeldSaves(monkeypatch)
     io = InkCheckpointIO(policy="lossless", async_save=True)
     io.save_checkpoint(_state(1), tmp_path / "a.ckpt")
     assert held.started.wait(30)
-    remover = threading.Thread(target=io.remove_checkpoint, args=(tmp_path / "a.ckpt",))
-    remover.start()
-    remover.join(0.2)
-    assert remover.is_alive()  # waiting for the save, not deleting ahead of it
+    io.remove_checkpoint(tmp_path / "a.ckpt")  # returns at once: the save is still held
     held.release()
-    remover.join(30)
-    assert not remover.is_alive() and not (tmp_path / "a.ckpt").exists()
+    io.wait()
+    assert not (tmp_path / "a.ckpt").exists()
     io.save_checkpoint(_state(2), tmp_path / "a.ckpt")  # a later save to the same path is kept
     io.teardown()
     assert_same(InkCheckpointIO().load_checkpoint(tmp_path / "a.ckpt"), _state(2))
-    assert list((tmp_path / KEYFRAME_DIR).glob("*.ink")) != []
+
+
+def test_async_save_a_checkpoint_replaced_by_the_save_in_flight_goes_only_once_it_lands(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """ModelCheckpoint(save_top_k=1) asks for the new checkpoint, then removes the old one: a
+    crash before the new one lands must leave the old one."""
+    io = InkCheckpointIO(policy="lossless", async_save=True)
+    io.save_checkpoint(_state(1), tmp_path / "old.ckpt")
+    io.wait()
+    held = _HeldSaves(monkeypatch)
+    io.save_checkpoint(_state(2), tmp_path / "new.ckpt")
+    assert held.started.wait(30)
+    io.remove_checkpoint(tmp_path / "old.ckpt")
+    assert_same(InkCheckpointIO().load_checkpoint(tmp_path / "old.ckpt"), _state(1))  # still there
+    held.release()
+    io.wait()
+    assert not (tmp_path / "old.ckpt").exists()
+    assert_same(InkCheckpointIO().load_checkpoint(tmp_path / "new.ckpt"), _state(2))
+    # If the new one fails, the old one stays.
+    held.go.clear()
+    held.started.clear()
+    held.fail = OSError("disk full")
+    io.save_checkpoint(_state(3), tmp_path / "newer.ckpt")
+    assert held.started.wait(30)
+    io.remove_checkpoint(tmp_path / "new.ckpt")
+    held.release()
+    with pytest.raises(ink.AsyncSaveError, match="newer.ckpt"):
+        io.wait()
+    assert_same(InkCheckpointIO().load_checkpoint(tmp_path / "new.ckpt"), _state(2))
+    assert not (tmp_path / "newer.ckpt").exists()
+    io.teardown()
 
 
 def test_async_save_keeps_a_save_after_a_removal_of_a_missing_path(tmp_path: Path) -> None:

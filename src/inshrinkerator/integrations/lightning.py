@@ -83,9 +83,10 @@ class InkCheckpointIO(CheckpointIO):
         async_save: compress and write on a background thread. ``save_checkpoint`` copies
             the checkpoint's tensors to the CPU and returns; the next save (and a load, and
             ``teardown``) first waits for the one in flight, and raises
-            :class:`~inshrinkerator.AsyncSaveError` if it failed. Removing the path of the
-            save in flight waits for it to land, then deletes it; any other removal deletes
-            at once, so a later save to the same path is always kept.
+            :class:`~inshrinkerator.AsyncSaveError` if it failed. A removal asked for while a
+            save is in flight is done once that save lands (not if it fails), so a crash
+            never leaves fewer checkpoints than before the save, and a later save to a
+            removed path is always kept.
 
     Paths are local files or fsspec URLs (``ModelCheckpoint(dirpath="s3://bucket/ckpt")``;
     the keyframes go to the same store). Loading also accepts a plain ``.ink`` file.
@@ -94,8 +95,9 @@ class InkCheckpointIO(CheckpointIO):
     cannot see while removals run on the training thread: removing a path that has no file
     yet marks it, and the next save to it that runs on another thread (the queued one the
     removal overtook) is deleted when it lands. A path removed with neither a file nor a
-    queued save therefore loses its next queued save; ``async_save=True`` has no such case.
-    ``teardown`` deletes keyframes no checkpoint needs.
+    queued save therefore loses its next queued save, and a removal may run before the save
+    it makes way for has landed (a crash in between leaves neither); ``async_save=True`` has
+    neither case. ``teardown`` deletes keyframes no checkpoint needs.
     """
 
     def __init__(
@@ -115,10 +117,12 @@ class InkCheckpointIO(CheckpointIO):
         # was asked for on another thread than the removal (a save asked for on the
         # removing thread came after it).
         self._removed_early: dict[str, int] = {}
-        # async_save: the background thread (made at the first save), the path of the save
-        # in flight, and fresh buffers laid out like the last checkpoint for the next copy.
+        # async_save: the background thread (made at the first save); whether a save is in
+        # flight, and the removals asked for meanwhile (path, remover's thread), done once it
+        # lands; fresh buffers laid out like the last checkpoint for the next copy.
         self._worker: Optional[BackgroundWorker] = None
-        self._in_flight: Optional[str] = None
+        self._landing = False
+        self._deferred: list[tuple[str, int]] = []
         self._spare: Optional[SpareBuffers] = None
 
     def _store(self, path: str) -> KeyframeStore:
@@ -129,7 +133,6 @@ class InkCheckpointIO(CheckpointIO):
                 store = KeyframeStore(join(folder, KEYFRAME_DIR), self.policy, self.full_every)
                 self._stores[folder] = store
             return store
-
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Union[str, "os.PathLike[str]"],
@@ -159,14 +162,25 @@ class InkCheckpointIO(CheckpointIO):
 
         def job() -> None:
             taken = held.pop()
-            self._write(taken.state, target, step, asker)
+            try:
+                self._write(taken.state, target, step, asker)
+            except BaseException:
+                with self._lock:  # the checkpoints it was to replace stay
+                    self._landing, self._deferred = False, []
+                raise
+            with self._lock:
+                self._landing = False
+                removals, self._deferred = self._deferred, []
+            for removed, remover in removals:
+                self._remove(removed, remover)
             layout = SpareBuffers.layout_of(taken.tensors)
             del taken
             self._spare = SpareBuffers(layout)
 
         if self._worker is None:
             self._worker = BackgroundWorker("inshrink-lightning")
-        self._in_flight = target
+        with self._lock:
+            self._landing = True
         self._worker.submit(job, f"saving checkpoint {target}")
 
     def _write(self, checkpoint: Any, target: str, step: Any, asker: int) -> None:
@@ -182,12 +196,8 @@ class InkCheckpointIO(CheckpointIO):
         Raises:
             AsyncSaveError: it failed; chained to the original exception.
         """
-        if self._worker is None:
-            return
-        try:
+        if self._worker is not None:
             self._worker.result()
-        finally:
-            self._in_flight = None
 
     def load_checkpoint(
         self, path: Union[str, "os.PathLike[str]"], map_location: Optional[Any] = None,
@@ -215,21 +225,22 @@ class InkCheckpointIO(CheckpointIO):
     def remove_checkpoint(self, path: Union[str, "os.PathLike[str]"]) -> None:
         """Delete the checkpoint at ``path``; keyframes go once no kept checkpoint needs them.
 
-        Raises:
-            AsyncSaveError: it was the path of the background save in flight, and that
-                save failed (the path is removed all the same).
+        With ``async_save``, while a save is in flight the removal waits for it to land
+        (without blocking the caller): ``ModelCheckpoint`` removes the checkpoint a new one
+        replaces right after asking for the new one, and a crash before that lands must
+        not leave neither. If that save fails, the removals asked for meanwhile are not done.
         """
-        target = location(path)
-        try:
-            if self._in_flight == target:  # its save lands first, then goes
-                self.wait()
-        finally:
-            self._remove(target)
+        target, remover = location(path), threading.get_ident()
+        with self._lock:
+            if self._landing:
+                self._deferred.append((target, remover))
+                return
+        self._remove(target, remover)
 
-    def _remove(self, target: str) -> None:
+    def _remove(self, target: str, remover: int) -> None:
         if not exists(target):
             with self._lock:
-                self._removed_early[target] = threading.get_ident()
+                self._removed_early[target] = remover
             return
         self._store(target).remove(target)
 
