@@ -8,6 +8,7 @@
 The model is built from a config (nothing is downloaded); the text is a file of the
 Python standard library, read as bytes. ``InkTrainer`` replaces ``Trainer``; nothing
 else changes. ``save_total_limit=2`` keeps the two newest ``checkpoint-N`` folders.
+``--async`` writes each checkpoint's file on a background thread (``ink_async_save``).
 Prints a JSON summary.
 """
 
@@ -64,7 +65,7 @@ class StopAt(TrainerCallback):
 
 
 def run(out: Path, steps: int = 12, stop_at: Optional[int] = None, resume: Optional[str] = None,
-        policy: Optional[str] = None, default_trainer: bool = False) -> dict[str, Any]:
+        policy: Optional[str] = None, default_trainer: bool = False, async_save: bool = False) -> dict[str, Any]:
     """Train to ``steps`` (stopping early at ``stop_at``; resuming from ``resume``, a
     checkpoint folder or ``"last"``); return a summary. ``default_trainer=True`` uses the
     plain ``Trainer`` (for size comparisons)."""
@@ -82,7 +83,7 @@ def run(out: Path, steps: int = 12, stop_at: Optional[int] = None, resume: Optio
         trainer: Trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
     else:
         trainer = InkTrainer(model=model, args=args, train_dataset=data, callbacks=callbacks,
-                             ink_policy=policy, ink_full_every=4)
+                             ink_policy=policy, ink_full_every=4, ink_async_save=async_save)
     trainer.train(resume_from_checkpoint=True if resume == "last" else resume)
     batch = data.windows[:16]
     model.eval()
@@ -103,8 +104,11 @@ def main() -> None:
     parser.add_argument("--resume", nargs="?", const="last", default=None,
                         help="a checkpoint-N folder; alone: the last one")
     parser.add_argument("--policy", default=None)
+    parser.add_argument("--async", dest="async_save", action="store_true",
+                        help="write checkpoint files on a background thread")
     args = parser.parse_args()
-    print(json.dumps(run(args.out, args.steps, args.stop_at, args.resume, args.policy)))
+    print(json.dumps(run(args.out, args.steps, args.stop_at, args.resume, args.policy,
+                         async_save=args.async_save)))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Random runs of ``InkTrainer``: save schedules, rotation, interruption and resume.
 
 A tiny GPT-2 (the ``hf_trainer_tiny`` example's) trains under a random policy, keyframe
-interval, ``save_steps`` and ``save_total_limit``; it stops early, as a crash would, and a
+interval, ``save_steps`` and ``save_total_limit``, perhaps with ``ink_async_save``; it stops early, as a crash would, and a
 new trainer resumes it from a random kept checkpoint folder (perhaps an older one, whose
 later folders the resumed run then saves over) to the end. Then:
 
@@ -10,6 +10,7 @@ later folders the resumed run then saves over) to the end. Then:
   baselines: the structural checks);
 - the keyframe folder holds no keyframe that no kept checkpoint needs, beyond the
   resumed trainer's current one;
+- no folder is left pending (an asynchronous save that never landed);
 - the resumed run reaches ``max_steps`` (one step more from a checkpoint at ``max_steps``,
   as with Hugging Face's own checkpoints).
 """
@@ -34,7 +35,7 @@ import torch  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments  # noqa: E402
 
 from inshrinkerator.integrations._keyframes import KEYFRAME_DIR, KeyframeStore  # noqa: E402
-from inshrinkerator.integrations.transformers import STATE_FILE, InkTrainer  # noqa: E402
+from inshrinkerator.integrations.transformers import PENDING_FILE, STATE_FILE, InkTrainer  # noqa: E402
 from inshrinkerator.single_file import open_container  # noqa: E402
 from tests.integrations.conftest import load_example  # noqa: E402
 from tests.policies.dynaquant_states import one_thread  # noqa: E402,F401  (autouse fixture)
@@ -52,6 +53,7 @@ class HfRun:
     max_steps: int
     stop_at: int
     resume: int  # which kept checkpoint to resume from (modulo their count)
+    async_save: bool = False
 
 
 def hf_runs() -> st.SearchStrategy[HfRun]:
@@ -64,6 +66,7 @@ def hf_runs() -> st.SearchStrategy[HfRun]:
         max_steps=st.integers(3, 9),
         stop_at=st.integers(1, 8),
         resume=st.integers(0, 5),
+        async_save=st.booleans(),
     )
 
 
@@ -78,7 +81,7 @@ def train(run: HfRun, out: Path, stop_at: Optional[int], resume: Optional[str]) 
     )
     callbacks = [example.StopAt(stop_at)] if stop_at is not None else []
     trainer = InkTrainer(model=model, args=args, train_dataset=example.SourceBytes(windows=16), callbacks=callbacks,
-                         ink_policy=run.policy, ink_full_every=run.full_every)
+                         ink_policy=run.policy, ink_full_every=run.full_every, ink_async_save=run.async_save)
     trainer.train(resume_from_checkpoint=resume)
     return trainer
 
@@ -101,6 +104,7 @@ def test_random_hf_runs_keep_restorable_checkpoints(run: HfRun, tmp_path_factory
         trainer = train(run, out, stop_at=None, resume=resume)
     # Resumed from a checkpoint at max_steps, Hugging Face's own Trainer trains one step more.
     assert trainer.state.global_step in (run.max_steps, run.max_steps + 1)
+    assert not list(out.rglob(PENDING_FILE))
     store = KeyframeStore(out / KEYFRAME_DIR)
     needed = set()
     for folder in out.glob("checkpoint-*"):

@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from inshrinkerator.integrations._keyframes import KeyframeStore  # noqa: E402
-from inshrinkerator.integrations.transformers import STATE_FILE  # noqa: E402
+from inshrinkerator.integrations.transformers import PENDING_FILE, STATE_FILE  # noqa: E402
 from tests.integrations.conftest import EXAMPLES, load_example, policies_under_test, tolerance  # noqa: E402
 
 PICKLED = ("model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "training_args.bin")
@@ -30,7 +30,9 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict:
 @pytest.mark.parametrize("policy", policies_under_test())
 def test_resume_ends_where_the_uninterrupted_run_ends(tmp_path: Path, policy: str, uninterrupted: dict) -> None:
     example = load_example("hf_trainer_tiny")
-    first = example.run(tmp_path, stop_at=7, policy=policy)
+    # The lossy policy's first part writes its files on a background thread (ink_async_save).
+    first = example.run(tmp_path, stop_at=7, policy=policy, async_save=policy != "lossless")
+    assert not list(tmp_path.rglob(PENDING_FILE))
     assert first["global_step"] == 7
     assert first["checkpoints"] == ["checkpoint-3", "checkpoint-6"]
     if policy == "lossless":  # a real restart; lossy policies resume in this process (time budget)
@@ -67,8 +69,8 @@ def _frozen_embedding_run(out: Path, watch: bool) -> dict[str, int]:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
 
-    from inshrinkerator.single_file import open_container
     from inshrinkerator.integrations.transformers import InkTrainer
+    from inshrinkerator.single_file import open_container
     from inshrinkerator.tree import format_key_path, tensor_paths
 
     example = load_example("hf_trainer_tiny")
@@ -105,3 +107,42 @@ def test_a_watched_model_keeps_its_frozen_layers_out_of_every_checkpoint(tmp_pat
     assert watched[key] < unwatched[key] / 4
     trained = "model/transformer.h.0.mlp.c_fc.weight"
     assert watched[trained] > 0 and unwatched[trained] > 0
+
+
+def test_async_save_rotates_only_after_the_file_landed_and_resume_passes_over_a_pending_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, uninterrupted: dict,
+) -> None:
+    """checkpoint-9's background save fails: save_total_limit=2 must not have deleted
+    checkpoint-3 for it, the next checkpoint raises AsyncSaveError, and a resume takes the
+    newest complete folder (checkpoint-6), never the pending one."""
+    import inshrinkerator as ink
+    from inshrinkerator.integrations._keyframes import KeyframeStore as Store
+
+    example = load_example("hf_trainer_tiny")
+    original = Store.save
+
+    def fails_at_nine(store, state, target, step=None):
+        if Path(target).parent.name == "checkpoint-9":
+            raise OSError("disk full")
+        return original(store, state, target, step=step)
+
+    monkeypatch.setattr(Store, "save", fails_at_nine)
+    with pytest.raises(ink.AsyncSaveError, match="checkpoint-9") as raised:
+        example.run(tmp_path, policy="lossless", async_save=True)
+    assert isinstance(raised.value.__cause__, OSError)
+    monkeypatch.undo()
+    # checkpoint-12's save waited for checkpoint-9's and raised before making its folder.
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-6", "checkpoint-9"]
+    for name in ("checkpoint-3", "checkpoint-6"):
+        assert (tmp_path / name / STATE_FILE).is_file() and not (tmp_path / name / PENDING_FILE).exists()
+    assert (tmp_path / "checkpoint-9" / PENDING_FILE).exists() and not (tmp_path / "checkpoint-9" / STATE_FILE).exists()
+    # Named explicitly, the pending folder is refused with a clear error.
+    with pytest.raises(FileNotFoundError, match="still being written"):
+        example.run(tmp_path / "other", resume=str(tmp_path / "checkpoint-9"), policy="lossless")
+    # resume_from_checkpoint=True passes over it, resumes from checkpoint-6 and ends where
+    # the uninterrupted run ends; checkpoint-9 is saved again, whole this time.
+    resumed = example.run(tmp_path, resume="last", policy="lossless", async_save=True)
+    assert resumed["global_step"] == uninterrupted["global_step"]
+    assert abs(resumed["loss"] - uninterrupted["loss"]) <= tolerance("lossless") * uninterrupted["loss"]
+    assert resumed["checkpoints"] == ["checkpoint-12", "checkpoint-9"]
+    assert not list(tmp_path.rglob(PENDING_FILE))

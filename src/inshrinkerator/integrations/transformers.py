@@ -16,6 +16,12 @@ resuming unpickles nothing. Each file is a delta against a keyframe in
 ``output_dir/.ink-keyframes``; ``save_total_limit`` may delete any folder and every kept
 one still restores. ``trainer.save_model()`` (the final export) is unchanged.
 
+``ink_async_save=True`` compresses and writes the file on a background thread: a
+checkpoint's tensors are copied, training goes on, and ``save_total_limit``'s rotation
+runs once the file has landed, so a crash never leaves fewer complete checkpoints than
+before. A folder whose file is still being written holds ``inshrinkerator.pending``;
+``train(resume_from_checkpoint=True)`` passes over such folders (a crash's leftovers).
+
 Single-process and DDP training are supported; DeepSpeed, FSDP, XLA and SageMaker
 model parallelism keep their own checkpoint formats and are refused.
 """
@@ -23,6 +29,7 @@ model parallelism keep their own checkpoint formats and are refused.
 from __future__ import annotations
 
 import random
+import re
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -37,15 +44,25 @@ except ImportError as error:
         "pip install 'inshrinkerator[transformers]'"
     ) from error
 
-from ..errors import FormatError
+from ..errors import CheckpointNotFoundError, FormatError
 from ..policies import Policy
 from ..store import policy_or_default, watch_with
+from ..store.async_worker import BackgroundWorker
+from ..store.snapshot import snapshot_state
 from ._keyframes import KEYFRAME_DIR, KeyframeStore
 
-__all__ = ["InkTrainerMixin", "InkTrainer", "STATE_FILE"]
+try:  # transformers >= 5: a function; before, the Trainer's own method
+    from transformers.trainer_utils import rotate_checkpoints
+except ImportError:  # pragma: no cover - older transformers
+    rotate_checkpoints = None
+
+__all__ = ["InkTrainerMixin", "InkTrainer", "STATE_FILE", "PENDING_FILE"]
 
 #: The file inside each ``checkpoint-N`` folder.
 STATE_FILE = "inshrinkerator.ink"
+#: Present in a ``checkpoint-N`` folder while its file is written in the background.
+PENDING_FILE = "inshrinkerator.pending"
+_CHECKPOINT_FOLDER = re.compile(r"^checkpoint-(\d+)$")
 
 
 def _rng_state() -> dict[str, Any]:
@@ -87,15 +104,26 @@ class InkTrainerMixin:
             does not train on their stored levels instead of re-coding them in every
             checkpoint. Costs one elementwise pass per trained parameter per step. A
             policy without ``watch`` ignores it.
+        ink_async_save: compress and write each checkpoint's file on a background thread
+            (one in flight; the next checkpoint, a resume and the end of ``train`` wait for
+            it). A failure is raised at the next of those as ``AsyncSaveError``. Callbacks'
+            ``on_save`` may run before the file has landed.
     """
 
     def __init__(
         self, *args: Any, ink_policy: Union[str, Policy, None] = None, ink_full_every: int = 10,
-        ink_watch: bool = True, **kwargs: Any,
+        ink_watch: bool = True, ink_async_save: bool = False, **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         if not isinstance(ink_watch, bool):
             raise TypeError(f"ink_watch must be a bool, got {ink_watch!r}")
+        if not isinstance(ink_async_save, bool):
+            raise TypeError(f"ink_async_save must be a bool, got {ink_async_save!r}")
+        self._ink_async = ink_async_save
+        self._ink_worker: Optional[BackgroundWorker] = None
+        # async: the copied state of the checkpoint being saved and its folder, until the
+        # Trainer's own part of the save is done and the background job starts.
+        self._ink_stash: Optional[tuple[Any, Path]] = None
         # One policy object for every store of this trainer: it carries what it watched.
         self._ink_policy: Policy = policy_or_default(ink_policy)
         model = getattr(self, "model", None)
@@ -124,12 +152,24 @@ class InkTrainerMixin:
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         self._ink_check_supported()
+        self._ink_wait()  # the previous checkpoint's file has landed
+        args = self.args  # type: ignore[attr-defined]
+        deferring = self._ink_async and args.should_save
+        limit = args.save_total_limit
         self._ink_parts = {}
+        if deferring:  # rotation once this checkpoint's file has landed, not before
+            args.save_total_limit = None
         try:
             super()._save_checkpoint(model, trial)  # type: ignore[misc]
         finally:
             self._ink_parts = None
-        if self.args.should_save:  # type: ignore[attr-defined]
+            if deferring:
+                args.save_total_limit = limit
+            # (If the Trainer's part failed, the folder stays pending: a resume passes it over.)
+            stash, self._ink_stash = self._ink_stash, None
+        if deferring and stash is not None:
+            self._ink_submit(*stash, limit)
+        elif args.should_save:
             # save_total_limit may just have deleted folders: drop keyframes nothing needs.
             for store in self._ink_stores.values():
                 store.collect()
@@ -181,9 +221,84 @@ class InkTrainerMixin:
     def _ink_write(self, folder: Path) -> None:
         parts = self._ink_parts or {}
         self._ink_policy.before_save()  # the training thread: a watching policy hooks unfrozen layers
+        if self._ink_async:
+            # Copied now (training goes on mutating the tensors), written once the Trainer's
+            # own part of the save is done; until then the folder says it is not complete.
+            (folder / PENDING_FILE).write_bytes(b"")
+            self._ink_stash = (snapshot_state(parts).state, folder)
+            return
         self._ink_store(folder.parent.absolute()).save(
             parts, folder / STATE_FILE, step=self.state.global_step  # type: ignore[attr-defined]
         )
+
+    def _ink_submit(self, state: Any, folder: Path, limit: Optional[int]) -> None:
+        """Write ``folder``'s file in the background; then rotate and drop unneeded keyframes."""
+        store = self._ink_store(folder.parent.absolute())
+        step = self.state.global_step  # type: ignore[attr-defined]
+        best = self.state.best_model_checkpoint  # type: ignore[attr-defined]
+        held = [state]
+
+        def job() -> None:
+            store.save(held.pop(), folder / STATE_FILE, step=step)
+            (folder / PENDING_FILE).unlink(missing_ok=True)
+            if limit:
+                if rotate_checkpoints is not None:
+                    rotate_checkpoints(output_dir=str(folder.parent), save_total_limit=limit,
+                                       best_model_checkpoint=best, use_mtime=True)
+                else:  # pragma: no cover - older transformers
+                    self._rotate_checkpoints(use_mtime=True, output_dir=str(folder.parent))  # type: ignore[attr-defined]
+            store.collect()
+
+        if self._ink_worker is None:
+            self._ink_worker = BackgroundWorker("inshrink-hf")
+        self._ink_worker.submit(job, f"saving checkpoint {folder}")
+
+    def _ink_wait(self) -> None:
+        """Wait for the checkpoint file being written in the background, if any.
+
+        Raises:
+            AsyncSaveError: its save failed; chained to the original exception.
+        """
+        if self._ink_worker is not None:
+            self._ink_worker.result()
+
+    def train(self, resume_from_checkpoint: Union[str, bool, None] = None, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.train``; ``resume_from_checkpoint=True`` takes the newest *complete*
+        ``checkpoint-N`` folder (one an asynchronous save finished), and training ends once
+        the last checkpoint's file has landed.
+
+        Raises:
+            ValueError: ``resume_from_checkpoint=True`` and there is no complete checkpoint.
+            AsyncSaveError: a background save failed.
+        """
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = self._ink_last_checkpoint()
+        try:
+            result = super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
+        except BaseException:
+            if self._ink_worker is not None:
+                self._ink_worker.settle()  # the training's own error is the one raised
+            raise
+        worker, self._ink_worker = self._ink_worker, None
+        if worker is not None:
+            try:
+                worker.result()
+            finally:
+                worker.shutdown()
+        return result
+
+    def _ink_last_checkpoint(self) -> str:
+        """The newest ``checkpoint-N`` folder of ``output_dir`` that is not pending."""
+        output = Path(self.args.output_dir)  # type: ignore[attr-defined]
+        found = []
+        if output.is_dir():
+            for entry in output.iterdir():
+                match = _CHECKPOINT_FOLDER.match(entry.name)
+                if match and entry.is_dir() and not (entry / PENDING_FILE).exists():
+                    found.append((int(match.group(1)), entry))
+        if not found:
+            raise ValueError(f"No valid checkpoint found in output directory ({output})")
+        return str(max(found)[1])
 
     # -- loading --------------------------------------------------------------------------
 
@@ -191,7 +306,13 @@ class InkTrainerMixin:
         """The decoded ``inshrinkerator.ink`` of a checkpoint folder, or None if it has none."""
         if checkpoint is None:
             return None
+        self._ink_wait()
         path = Path(checkpoint).absolute() / STATE_FILE
+        if (path.parent / PENDING_FILE).exists():
+            raise CheckpointNotFoundError(
+                f"{path.parent}: its checkpoint file was still being written in the background "
+                "when the process stopped; resume from an earlier checkpoint-N folder"
+            )
         if not path.is_file():
             return None
         if self._ink_loaded[0] != path:
