@@ -198,3 +198,39 @@ def test_compress_takes_a_policy_with_options(capsys, tmp_path: Path, weights: P
     assert sizes[2] < sizes[8]
     code, _, err = run(capsys, "compress", "--policy", "cnr:colour=red", str(weights), str(tmp_path / "x.ink"))
     assert code == 1 and "has no option 'colour'" in err and not (tmp_path / "x.ink").exists()
+
+
+def test_a_keyframed_checkpoint_finds_its_keyframe(capsys, tmp_path: Path) -> None:
+    """A checkpoint from the Lightning / Hugging Face integrations (a delta against a keyframe
+    beside it) loads, verifies and decompresses without --base; a .ckpt suffix is no obstacle."""
+    from inshrinkerator.integrations._keyframes import KEYFRAME_DIR, KeyframeStore
+
+    store = KeyframeStore(tmp_path / KEYFRAME_DIR, policy="lossless")
+    states = {step: training_state(seed=step) for step in (1, 2)}
+    for step, state in states.items():
+        store.save(state, tmp_path / f"step={step}.ckpt")
+    assert_same(ink.load(tmp_path / "step=2.ckpt"), states[2])  # a delta: no base given
+    assert run(capsys, "verify", str(tmp_path / "step=2.ckpt"))[0] == 0
+    code, _, _ = run(capsys, "decompress", str(tmp_path / "step=2.ckpt"), str(tmp_path / "step2.pt"))
+    assert code == 0
+    assert_same(torch.load(tmp_path / "step2.pt", weights_only=True), states[2])
+    code, out, _ = run(capsys, "compress", "--json", str(tmp_path / "step=2.ckpt"), str(tmp_path / "again.ink"))
+    assert code == 0 and json.loads(out)["kind"] == "full"
+    # The keyframe replaced by hand (another run's): the delta refuses to restore against it.
+    (keyframe,) = (tmp_path / KEYFRAME_DIR).glob("*.ink")
+    other = KeyframeStore(tmp_path / "elsewhere" / KEYFRAME_DIR, policy="lossless")
+    other.save(training_state(seed=9), tmp_path / "elsewhere" / "x.ckpt")
+    (other_keyframe,) = (tmp_path / "elsewhere" / KEYFRAME_DIR).glob("*.ink")
+    keyframe.write_bytes(other_keyframe.read_bytes())
+    code, out, _ = run(capsys, "verify", "--json", str(tmp_path / "step=2.ckpt"))
+    assert code == 1 and "does not match" in json.loads(out)["problems"][0]
+    keyframe.unlink()
+    with pytest.raises(ink.BrokenChainError, match="missing"):
+        ink.load(tmp_path / "step=2.ckpt")
+    assert run(capsys, "decompress", str(tmp_path / "step=2.ckpt"), str(tmp_path / "y.pt"))[0] == 1
+
+
+def test_a_torch_ckpt_is_read_weights_only(capsys, tmp_path: Path) -> None:
+    torch.save({"state_dict": {"w": torch.ones(4)}, "epoch": 3}, tmp_path / "plain.ckpt")
+    code, _, _ = run(capsys, "compress", str(tmp_path / "plain.ckpt"), str(tmp_path / "plain.ink"))
+    assert code == 0 and ink.load(tmp_path / "plain.ink")["epoch"] == 3

@@ -194,6 +194,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def _verify_file(path: str, base: Optional[str]) -> list[str]:
+    from .integrations._keyframes import keyframe_of, read_with_keyframe
     from .interchange import read_any
     from .serialize import read_state
     from .single_file import _base_references
@@ -204,7 +205,9 @@ def _verify_file(path: str, base: Optional[str]) -> list[str]:
             header = reader.header
             reader.verify()
             needs_base = any(r.reference is not None for r in header.tensors)
-            if needs_base and base is None:
+            if needs_base and base is None and keyframe_of(reader) is not None:
+                read_with_keyframe(reader, path)  # a Lightning / Hugging Face checkpoint
+            elif needs_base and base is None:
                 problems.append(
                     f"{path}: checksums good, but tensors are deltas against a base; pass --base "
                     "to check that they restore"

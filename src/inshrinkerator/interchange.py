@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 import torch
 
+from .container.format import MAGIC
 from .errors import CheckpointNotFoundError, FormatError, UnsupportedStateError
 from .single_file import PathLike, load
 
@@ -26,8 +27,14 @@ def _suffix(path: PathLike) -> str:
     return Path(os.fspath(path)).suffix.lower()
 
 
+def _is_ink_file(source: str) -> bool:
+    with open(source, "rb") as handle:
+        return handle.read(len(MAGIC)) == MAGIC
+
+
 def read_any(path: PathLike, base: Optional[Any] = None) -> Any:
-    """The state in a ``.pt``/``.pth``/``.bin``, ``.safetensors`` or ``.ink`` file.
+    """The state in a ``.pt``/``.pth``/``.bin``, ``.safetensors`` or ``.ink`` file, or a
+    Lightning ``.ckpt`` (an ``.ink`` file from ``InkCheckpointIO``, or weights-only torch).
 
     Raises:
         CheckpointNotFoundError: no such file.
@@ -38,7 +45,9 @@ def read_any(path: PathLike, base: Optional[Any] = None) -> Any:
     suffix = _suffix(source)
     if suffix != ".ink" and not Path(source).is_file():
         raise CheckpointNotFoundError(f"{source}: no such file")
-    if suffix in TORCH_SUFFIXES:
+    if suffix not in (".ink", SAFETENSORS_SUFFIX) and _is_ink_file(source):
+        suffix = ".ink"  # e.g. a Lightning .ckpt written by InkCheckpointIO
+    if suffix in TORCH_SUFFIXES or suffix == ".ckpt":
         try:
             return torch.load(source, map_location="cpu", weights_only=True)
         except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as exc:
@@ -57,7 +66,7 @@ def read_any(path: PathLike, base: Optional[Any] = None) -> Any:
     if suffix == ".ink":
         return load(source, base=base)
     raise FormatError(
-        f"{source}: unknown input suffix {suffix!r}; use .pt, .pth, .bin, .safetensors or .ink"
+        f"{source}: unknown input suffix {suffix!r}; use .pt, .pth, .bin, .ckpt, .safetensors or .ink"
     )
 
 

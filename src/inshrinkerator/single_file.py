@@ -182,6 +182,10 @@ def load(
 ) -> Any:
     """Load the state saved at ``path``; ``base`` must be the one it was saved against, if any.
 
+    A checkpoint written by the Lightning or Hugging Face integration (a delta against a
+    keyframe in ``.ink-keyframes`` beside it) finds its keyframe by itself when no ``base``
+    is given.
+
     Raises:
         CheckpointNotFoundError: no file at ``path``.
         FormatError / CorruptCheckpointError: not a valid or an intact ``.ink`` file.
@@ -190,4 +194,8 @@ def load(
             reached).
     """
     with open_container(path) as reader:
+        if base is None and reader.meta.get("keyframe") is not None:
+            from .integrations._keyframes import read_with_keyframe
+
+            return read_with_keyframe(reader, path)
         return read_state(reader, _base_references(base), progress=progress)

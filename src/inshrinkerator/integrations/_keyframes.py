@@ -43,7 +43,7 @@ from ..single_file import open_container
 from ..store import policy_or_default
 from ..store.remote_errors import translated
 
-__all__ = ["KeyframeStore", "KEYFRAME_DIR"]
+__all__ = ["KeyframeStore", "KEYFRAME_DIR", "keyframe_of", "read_with_keyframe"]
 
 #: The hidden folder, beside the checkpoints, that holds the keyframes.
 KEYFRAME_DIR = ".ink-keyframes"
@@ -196,6 +196,57 @@ def _ref_name(target: str) -> str:
     return hashlib.sha1(target.encode("utf-8")).hexdigest()[:20]
 
 
+def keyframe_of(reader: Any) -> Optional[str]:
+    """The keyframe an open ``.ink`` file names (written here), or None (any other file)."""
+    keyframe = reader.meta.get(_META_KEY)
+    return keyframe if isinstance(keyframe, str) else None
+
+
+def _read_keyframe(path: str, source: str) -> dict[str, torch.Tensor]:
+    try:
+        with open_container(path) as reader:
+            return reference_map(read_state(reader))
+    except CheckpointNotFoundError:
+        raise BrokenChainError(
+            f"{source} is stored as a delta against keyframe {path}, which is missing; "
+            "keyframes are deleted only when no checkpoint needs them, so it was removed by hand"
+        ) from None
+
+
+def read_with_keyframe(
+    reader: Any, source: Where,
+    references_of: Optional[Callable[[str, str, str], dict[str, torch.Tensor]]] = None,
+) -> Any:
+    """The state in an open ``.ink`` file at ``source``, decoded against the keyframe it
+    names, found beside it (a file that names none is read as it is).
+
+    ``references_of(keyframe, keyframe_path, source)`` supplies the keyframe's reference
+    tensors (default: read from its file).
+
+    Raises:
+        BrokenChainError: the keyframe is missing or is not the one the file was saved against.
+    """
+    source = location(source)
+    keyframe = reader.meta.get(_META_KEY)
+    if keyframe is None:  # a plain .ink file (e.g. made with ink.save) loads as is
+        return read_state(reader)
+    folder = reader.meta.get("keyframe_dir", KEYFRAME_DIR)
+    if not isinstance(keyframe, str) or not isinstance(folder, str) or "/" in keyframe:
+        raise BrokenChainError(f"{source}: bad keyframe reference {keyframe!r}")
+    # A local checkpoint may be a link (Lightning's save_last="link"): its keyframe is
+    # beside the file it points to.
+    real = source if _is_url(source) else os.path.realpath(source)
+    keyframe_path = join(parent(real), folder, f"{keyframe}.ink")
+    references = (references_of or (lambda _, path, where: _read_keyframe(path, where)))(keyframe, keyframe_path, source)
+    hint = f"keyframe {keyframe_path} does not match; was it replaced by hand?"
+    try:
+        return read_state(reader, references, reference_hint=hint)
+    except BrokenChainError as error:
+        if hint in str(error):
+            raise
+        raise BrokenChainError(f"{error} ({hint})") from None
+
+
 class KeyframeStore:
     """Checkpoint files that each restore from themselves plus one shared keyframe.
 
@@ -292,21 +343,7 @@ class KeyframeStore:
         """
         source = location(target)
         with open_container(source) as reader:
-            keyframe = reader.meta.get(_META_KEY)
-            if keyframe is None:  # a plain .ink file (e.g. made with ink.save) loads as is
-                return read_state(reader)
-            folder = reader.meta.get("keyframe_dir", KEYFRAME_DIR)
-            if not isinstance(keyframe, str) or not isinstance(folder, str) or "/" in keyframe:
-                raise BrokenChainError(f"{source}: bad keyframe reference {keyframe!r}")
-            # A local checkpoint may be a link (Lightning's save_last="link"): its keyframe is
-            # beside the file it points to.
-            real = source if _is_url(source) else os.path.realpath(source)
-            keyframe_path = join(parent(real), folder, f"{keyframe}.ink")
-            references = self._keyframe_reference(keyframe, keyframe_path, source)
-            return read_state(
-                reader, references,
-                reference_hint=f"keyframe {keyframe_path} does not match; was it replaced by hand?",
-            )
+            return read_with_keyframe(reader, source, self._keyframe_reference)
 
     def _keyframe_reference(self, keyframe: str, path: str, source: str) -> dict[str, torch.Tensor]:
         with self._lock:
@@ -314,14 +351,7 @@ class KeyframeStore:
                 return self._reference
             if self._cached[0] == keyframe and self._cached[1] is not None:
                 return self._cached[1]
-        try:
-            with open_container(path) as reader:
-                references = reference_map(read_state(reader))
-        except CheckpointNotFoundError:
-            raise BrokenChainError(
-                f"{source} is stored as a delta against keyframe {path}, which is missing; "
-                "keyframes are deleted only when no checkpoint needs them, so it was removed by hand"
-            ) from None
+        references = _read_keyframe(path, source)
         with self._lock:
             self._cached = (keyframe, references)
         return references
