@@ -227,8 +227,9 @@ class InkCheckpointIO(CheckpointIO):
 
         With ``async_save``, while a save is in flight the removal waits for it to land
         (without blocking the caller): ``ModelCheckpoint`` removes the checkpoint a new one
-        replaces right after asking for the new one, and a crash before that lands must
-        not leave neither. If that save fails, the removals asked for meanwhile are not done.
+        replaces right after asking for the new one, and a crash before the new one lands
+        must leave the old one. If that save fails, the removals asked for meanwhile are not
+        done.
         """
         target, remover = location(path), threading.get_ident()
         with self._lock:
