@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -132,3 +133,29 @@ def test_torchrun_two_ranks_each_write_and_restore_their_own_shard(tmp_path: Pat
     for mode in ("ddp", "fsdp"):
         names = sorted(p.name for p in (tmp_path / f"{mode}-step-6").iterdir())
         assert names == [METADATA_FILE, "__0.ink", "__1.ink"]
+
+
+_remote_folders = itertools.count()
+
+
+@pytest.mark.parametrize("store", ["memory", "s3"])
+def test_round_trip_on_an_fsspec_store(store: str, request: pytest.FixtureRequest) -> None:
+    """``InkStorageWriter`` / ``InkStorageReader`` on a URL: ``memory://`` and a moto S3 server."""
+    if store == "s3":
+        pytest.importorskip("s3fs", reason="s3fs is not installed")
+        folder = f"{request.getfixturevalue('s3_bucket')}/dcp-{next(_remote_folders)}"
+    else:
+        folder = f"memory://dcp-{next(_remote_folders)}"
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(folder)
+    try:
+        state = _state()
+        dcp.save(state, storage_writer=InkStorageWriter(folder, policy="lossless"), planner=InkSavePlanner(),
+                 no_dist=True)
+        assert sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)) == [METADATA_FILE, "__0.ink"]
+        restored = _blank(state)
+        dcp.load(restored, storage_reader=InkStorageReader(folder), planner=InkLoadPlanner(), no_dist=True)
+        assert_same(restored, state)
+    finally:
+        fs.rm(root, recursive=True)
