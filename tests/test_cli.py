@@ -210,6 +210,11 @@ def test_a_keyframed_checkpoint_finds_its_keyframe(capsys, tmp_path: Path) -> No
     for step, state in states.items():
         store.save(state, tmp_path / f"step={step}.ckpt")
     assert_same(ink.load(tmp_path / "step=2.ckpt"), states[2])  # a delta: no base given
+    code, out, _ = run(capsys, "info", "--json", str(tmp_path / "step=2.ckpt"))
+    (keyframe_file,) = (tmp_path / KEYFRAME_DIR).glob("*.ink")
+    assert code == 0 and json.loads(out)["keyframe"] == str(keyframe_file)
+    ink.save({"w": torch.ones(3)}, tmp_path / "plain.ink")
+    assert json.loads(run(capsys, "info", "--json", str(tmp_path / "plain.ink"))[1])["keyframe"] is None
     assert run(capsys, "verify", str(tmp_path / "step=2.ckpt"))[0] == 0
     code, _, _ = run(capsys, "decompress", str(tmp_path / "step=2.ckpt"), str(tmp_path / "step2.pt"))
     assert code == 0

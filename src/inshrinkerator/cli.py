@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from .errors import InkError
+from .errors import BrokenChainError, InkError
 from .policies import POLICY_NAMES
 from .serialize import ProgressCallback
 from .single_file import open_container, save
@@ -70,7 +70,13 @@ def _print_json(payload: Any) -> None:
 
 
 def _file_summary(path: str) -> dict[str, Any]:
+    from .integrations._keyframes import keyframe_path
+
     with open_container(path) as reader:
+        try:
+            keyframe = keyframe_path(reader, path)
+        except BrokenChainError:  # a malformed reference: info shows the file, verify says why
+            keyframe = None
         header = reader.header
         paths = tensor_paths(header.skeleton)
         size = reader.data_start + header.data_bytes
@@ -93,6 +99,8 @@ def _file_summary(path: str) -> dict[str, Any]:
         "path": path,
         "policy": header.meta.get("policy", "?"),
         "kind": "delta" if any(t["delta"] for t in tensors) else "full",
+        # A Lightning / Hugging Face checkpoint: the keyframe its deltas are against.
+        "keyframe": keyframe,
         "raw_bytes": raw,
         "stored_bytes": size,
         "ratio": raw / max(size, 1),
@@ -104,7 +112,8 @@ def _file_summary(path: str) -> dict[str, Any]:
 
 
 def _show_file_summary(summary: dict[str, Any]) -> None:
-    table = Table(title=f"{summary['path']}  ({summary['kind']}, policy {summary['policy']})")
+    against = f" against keyframe {summary['keyframe']}" if summary.get("keyframe") else ""
+    table = Table(title=f"{summary['path']}  ({summary['kind']}{against}, policy {summary['policy']})")
     for column in ("tensor", "dtype", "shape", "codec", "raw", "stored", "ratio"):
         table.add_column(column, justify="right" if column in ("raw", "stored", "ratio") else "left")
     for t in summary["tensors"]:

@@ -43,7 +43,7 @@ from ..single_file import open_container
 from ..store import policy_or_default
 from ..store.remote_errors import translated
 
-__all__ = ["KeyframeStore", "KEYFRAME_DIR", "keyframe_of", "read_with_keyframe"]
+__all__ = ["KeyframeStore", "KEYFRAME_DIR", "keyframe_of", "keyframe_path", "read_with_keyframe"]
 
 #: The hidden folder, beside the checkpoints, that holds the keyframes.
 KEYFRAME_DIR = ".ink-keyframes"
@@ -202,6 +202,25 @@ def keyframe_of(reader: Any) -> Optional[str]:
     return keyframe if isinstance(keyframe, str) else None
 
 
+def keyframe_path(reader: Any, source: Where) -> Optional[str]:
+    """Where the keyframe an open ``.ink`` file at ``source`` names lies, or None if it names none.
+
+    Raises:
+        BrokenChainError: the file's keyframe reference is malformed.
+    """
+    source = location(source)
+    keyframe = reader.meta.get(_META_KEY)
+    if keyframe is None:
+        return None
+    folder = reader.meta.get("keyframe_dir", KEYFRAME_DIR)
+    if not isinstance(keyframe, str) or not isinstance(folder, str) or "/" in keyframe:
+        raise BrokenChainError(f"{source}: bad keyframe reference {keyframe!r}")
+    # A local checkpoint may be a link (Lightning's save_last="link"): its keyframe is
+    # beside the file it points to.
+    real = source if _is_url(source) else os.path.realpath(source)
+    return join(parent(real), folder, f"{keyframe}.ink")
+
+
 def _read_keyframe(path: str, source: str) -> dict[str, torch.Tensor]:
     try:
         with open_container(path) as reader:
@@ -227,18 +246,12 @@ def read_with_keyframe(
         BrokenChainError: the keyframe is missing or is not the one the file was saved against.
     """
     source = location(source)
-    keyframe = reader.meta.get(_META_KEY)
-    if keyframe is None:  # a plain .ink file (e.g. made with ink.save) loads as is
+    path = keyframe_path(reader, source)
+    if path is None:  # a plain .ink file (e.g. made with ink.save) loads as is
         return read_state(reader)
-    folder = reader.meta.get("keyframe_dir", KEYFRAME_DIR)
-    if not isinstance(keyframe, str) or not isinstance(folder, str) or "/" in keyframe:
-        raise BrokenChainError(f"{source}: bad keyframe reference {keyframe!r}")
-    # A local checkpoint may be a link (Lightning's save_last="link"): its keyframe is
-    # beside the file it points to.
-    real = source if _is_url(source) else os.path.realpath(source)
-    keyframe_path = join(parent(real), folder, f"{keyframe}.ink")
-    references = (references_of or (lambda _, path, where: _read_keyframe(path, where)))(keyframe, keyframe_path, source)
-    hint = f"keyframe {keyframe_path} does not match; was it replaced by hand?"
+    keyframe = str(keyframe_of(reader))
+    references = (references_of or (lambda _, where, checkpoint: _read_keyframe(where, checkpoint)))(keyframe, path, source)
+    hint = f"keyframe {path} does not match; was it replaced by hand?"
     try:
         return read_state(reader, references, reference_hint=hint)
     except BrokenChainError as error:
