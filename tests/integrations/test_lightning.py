@@ -378,3 +378,22 @@ def test_lightning_fabric_saves_and_loads_through_the_plugin(tmp_path: Path, asy
     assert all(torch.equal(restored[key], expected_model[key]) for key in expected_model)
     assert_same(optimizer.state_dict()["state"], expected_optimizer["state"])
     assert len(list((tmp_path / KEYFRAME_DIR).glob("*.ink"))) == 2  # steps 3 and 6 on one, 9 on the next
+
+
+def test_async_save_a_failure_nothing_waited_for_is_reported_at_exit(tmp_path: Path) -> None:
+    script = f"""
+import sys
+from inshrinkerator.integrations._keyframes import KeyframeStore
+from inshrinkerator.integrations.lightning import InkCheckpointIO
+import torch
+
+def fails(store, state, target, step=None):
+    raise OSError("disk full")
+
+KeyframeStore.save = fails
+io = InkCheckpointIO(policy="lossless", async_save=True)
+io.save_checkpoint({{"w": torch.ones(3)}}, {str(tmp_path / "a.ckpt")!r})
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "disk full" in done.stderr and "a.ckpt" in done.stderr

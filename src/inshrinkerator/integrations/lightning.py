@@ -21,8 +21,11 @@ any checkpoint (``save_top_k``) and every checkpoint it keeps still restores.
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 import threading
+import weakref
 from collections.abc import Mapping
 from typing import Any, Optional, Union
 
@@ -41,7 +44,7 @@ except ImportError:  # the standalone packages
             "pip install 'inshrinkerator[lightning]'"
         ) from error
 
-from ..errors import CheckpointNotFoundError
+from ..errors import AsyncSaveError, CheckpointNotFoundError
 from ..policies import Policy
 from ..store import policy_or_default, watch_with
 from ..store.async_worker import BackgroundWorker
@@ -49,6 +52,22 @@ from ..store.snapshot import SpareBuffers, snapshot_state
 from ._keyframes import KEYFRAME_DIR, KeyframeStore, exists, join, location, parent
 
 __all__ = ["InkCheckpointIO", "InkWatch"]
+
+# Plugins with a background thread: a save that failed after the last wait() is reported
+# when the interpreter exits (Fabric has no end of fit to call teardown at).
+_ASYNC_PLUGINS: "weakref.WeakSet[InkCheckpointIO]" = weakref.WeakSet()
+
+
+@atexit.register
+def _report_unwaited_failures() -> None:
+    for plugin in list(_ASYNC_PLUGINS):
+        worker = plugin._worker
+        if worker is None:
+            continue
+        try:
+            worker.result()  # its thread has ended by now: the outcome is there
+        except AsyncSaveError as error:
+            print(f"inshrinkerator: {error} (nothing waited for this save before exit)", file=sys.stderr)
 
 
 def _plain(value: Any) -> Any:
@@ -179,6 +198,7 @@ class InkCheckpointIO(CheckpointIO):
 
         if self._worker is None:
             self._worker = BackgroundWorker("inshrink-lightning")
+            _ASYNC_PLUGINS.add(self)
         with self._lock:
             self._landing = True
         self._worker.submit(job, f"saving checkpoint {target}")
