@@ -86,10 +86,6 @@ def parent(where: str) -> str:
     return f"{protocol}://{posixpath.dirname(rest)}"
 
 
-def name_of(where: str) -> str:
-    return posixpath.basename(where) if _is_url(where) else os.path.basename(where)
-
-
 def relative(folder: str, start: str) -> str:
     """``folder`` relative to ``start`` (both local, or both URLs of one store)."""
     if not _is_url(folder):
