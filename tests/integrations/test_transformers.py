@@ -146,3 +146,28 @@ def test_async_save_rotates_only_after_the_file_landed_and_resume_passes_over_a_
     assert abs(resumed["loss"] - uninterrupted["loss"]) <= tolerance("lossless") * uninterrupted["loss"]
     assert resumed["checkpoints"] == ["checkpoint-12", "checkpoint-9"]
     assert not list(tmp_path.rglob(PENDING_FILE))
+
+
+def test_async_save_writes_the_file_before_a_push_to_the_hub(tmp_path: Path) -> None:
+    """push_to_hub uploads the folder inside the Trainer's save: the file must be there."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+    from inshrinkerator.integrations.transformers import InkTrainer
+
+    example = load_example("hf_trainer_tiny")
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=example.CONTEXT, n_embd=16, n_layer=1, n_head=2))
+    args = TrainingArguments(
+        str(tmp_path), max_steps=4, per_device_train_batch_size=4, save_strategy="steps", save_steps=2,
+        report_to=[], use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0,
+    )
+    trainer = InkTrainer(model=model, args=args, train_dataset=example.SourceBytes(windows=16),
+                         ink_policy="lossless", ink_async_save=True)
+    pushed: list[tuple[bool, bool]] = []
+    trainer.args.push_to_hub = True  # after __init__, which would reach the Hub
+    trainer._push_from_checkpoint = lambda folder: pushed.append(  # type: ignore[method-assign]
+        ((Path(folder) / STATE_FILE).is_file(), (Path(folder) / PENDING_FILE).exists()))
+    trainer._finish_current_push = lambda: None  # type: ignore[method-assign]
+    trainer.train()
+    assert pushed == [(True, False), (True, False)]

@@ -107,7 +107,8 @@ class InkTrainerMixin:
         ink_async_save: compress and write each checkpoint's file on a background thread
             (one in flight; the next checkpoint, a resume and the end of ``train`` wait for
             it). A failure is raised at the next of those as ``AsyncSaveError``. Callbacks'
-            ``on_save`` may run before the file has landed.
+            ``on_save`` may run before the file has landed. With ``push_to_hub`` the file
+            is written before the push, as without this option.
     """
 
     def __init__(
@@ -121,8 +122,9 @@ class InkTrainerMixin:
             raise TypeError(f"ink_async_save must be a bool, got {ink_async_save!r}")
         self._ink_async = ink_async_save
         self._ink_worker: Optional[BackgroundWorker] = None
-        # async: the copied state of the checkpoint being saved and its folder, until the
-        # Trainer's own part of the save is done and the background job starts.
+        # async: whether the checkpoint being saved is written in the background, and its
+        # copied state and folder, until the Trainer's own part of the save is done.
+        self._ink_deferring = False
         self._ink_stash: Optional[tuple[Any, Path]] = None
         # One policy object for every store of this trainer: it carries what it watched.
         self._ink_policy: Policy = policy_or_default(ink_policy)
@@ -154,7 +156,9 @@ class InkTrainerMixin:
         self._ink_check_supported()
         self._ink_wait()  # the previous checkpoint's file has landed
         args = self.args  # type: ignore[attr-defined]
-        deferring = self._ink_async and args.should_save
+        # A push to the Hub uploads the folder inside the Trainer's save: it needs the file.
+        deferring = self._ink_async and args.should_save and not args.push_to_hub
+        self._ink_deferring = deferring
         limit = args.save_total_limit
         self._ink_parts = {}
         if deferring:  # rotation once this checkpoint's file has landed, not before
@@ -163,6 +167,7 @@ class InkTrainerMixin:
             super()._save_checkpoint(model, trial)  # type: ignore[misc]
         finally:
             self._ink_parts = None
+            self._ink_deferring = False
             if deferring:
                 args.save_total_limit = limit
             # (If the Trainer's part failed, the folder stays pending: a resume passes it over.)
@@ -221,7 +226,7 @@ class InkTrainerMixin:
     def _ink_write(self, folder: Path) -> None:
         parts = self._ink_parts or {}
         self._ink_policy.before_save()  # the training thread: a watching policy hooks unfrozen layers
-        if self._ink_async:
+        if self._ink_deferring:
             # Copied now (training goes on mutating the tensors), written once the Trainer's
             # own part of the save is done; until then the folder says it is not complete.
             (folder / PENDING_FILE).write_bytes(b"")
