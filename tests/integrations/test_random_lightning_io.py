@@ -4,7 +4,8 @@ What ``ModelCheckpoint`` does to a folder, in random order: save checkpoints of 
 random training states of ``tests/policies/random_states.py`` under a few names
 (``last.ckpt`` is saved over again and again), remove some (``save_top_k``), load some,
 and restart (a new plugin, as a resumed run has), perhaps with ``async_save=True`` or
-behind ``AsyncCheckpointIO``, in a local folder or a ``memory://`` one (an fsspec store).
+behind ``AsyncCheckpointIO``, in a local folder or a ``memory://`` one (an fsspec store),
+and in a few runs on a moto S3 server.
 After every restart and at the end:
 
 - every checkpoint on disk restores, by a fresh plugin, what was last saved under its
@@ -152,6 +153,20 @@ def test_random_checkpoints_through_lightnings_checkpoint_io(story: Story, tmp_p
     finally:
         if story.in_memory:
             remove_folder(folder)
+
+
+@(pytest.mark.timeout(0) if LONG else pytest.mark.usefixtures())
+@fuzz_settings(3, share=10)
+@given(story=stories())
+def test_random_checkpoints_on_s3(s3_bucket: str, story: Story) -> None:
+    """The same stories in folders on the moto S3 server (listings cached by s3fs, uploads
+    instead of renames)."""
+    pytest.importorskip("s3fs", reason="s3fs is not installed")
+    folder = f"{s3_bucket}/lightning-io-{next(_folders)}"
+    try:
+        run_story(story, folder)
+    finally:
+        remove_folder(folder)
 
 
 def run_story(story: Story, folder: str) -> None:
