@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -41,3 +43,22 @@ def load_example(name: str) -> ModuleType:
     sys.modules[spec.name] = module  # type: ignore[union-attr]
     spec.loader.exec_module(module)  # type: ignore[union-attr]
     return module
+
+
+def run_torchrun(script: str, *arguments: str, ranks: int = 2, timeout: int = 240) -> "subprocess.CompletedProcess[str]":
+    """``examples/<script>`` on ``ranks`` processes (``torchrun --standalone``, gloo on the CPU),
+    one thread each; the finished launch (its return code is the caller's to check).
+
+    Launched once more for failures of the launcher, not of the checkpoint code: a port taken
+    between rendezvous probes, or a rank aborting in C++ teardown at exit ("terminate called
+    without an active exception", seen rarely on a loaded machine; its cause is still open).
+    """
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+               str(EXAMPLES / script), *arguments]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    retryable = ("address already in use", "terminate called without an active exception")
+    for _attempt in range(2):
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, check=False)
+        if done.returncode == 0 or not any(marker in done.stderr.lower() for marker in retryable):
+            break
+    return done

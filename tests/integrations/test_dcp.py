@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,7 +20,7 @@ from inshrinkerator.integrations.dcp import (
     InkStorageWriter,
 )
 from tests.helpers import assert_same
-from tests.integrations.conftest import EXAMPLES, policies_under_test, tolerance
+from tests.integrations.conftest import policies_under_test, run_torchrun, tolerance
 
 
 def _state() -> dict:
@@ -96,20 +94,8 @@ def test_an_unfinished_or_foreign_checkpoint_is_a_clear_error(tmp_path: Path) ->
 def test_torchrun_two_ranks_each_write_and_restore_their_own_shard(tmp_path: Path) -> None:
     """DDP (replicated) and FSDP2 (sharded, saved with dcp.async_save), 2 ranks on gloo;
     the resume runs in new processes and must end where the uninterrupted run ended."""
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                str(EXAMPLES / "dcp_torchrun.py"), "--out", str(tmp_path), "--policy", "lossless"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for phase in ("save", "resume"):
-        for _attempt in range(2):
-            done = subprocess.run([*torchrun, "--phase", phase], capture_output=True, text=True,
-                                  timeout=240, env=env, check=False)
-            # Launch once more for failures of the launcher, not of the checkpoint code: a port
-            # taken between rendezvous probes, or a rank aborting in C++ teardown at exit
-            # ("terminate called without an active exception", seen rarely on a loaded machine;
-            # its cause is still open).
-            retryable = ("address already in use", "terminate called without an active exception")
-            if done.returncode == 0 or not any(m in done.stderr.lower() for m in retryable):
-                break
+        done = run_torchrun("dcp_torchrun.py", "--out", str(tmp_path), "--policy", "lossless", "--phase", phase)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     print(done.stdout.strip())
     for rank in (0, 1):

@@ -16,7 +16,13 @@ pytest.importorskip("accelerate")
 
 from inshrinkerator.integrations._keyframes import KeyframeStore  # noqa: E402
 from inshrinkerator.integrations.transformers import PENDING_FILE, STATE_FILE  # noqa: E402
-from tests.integrations.conftest import EXAMPLES, load_example, policies_under_test, tolerance  # noqa: E402
+from tests.integrations.conftest import (  # noqa: E402
+    EXAMPLES,
+    load_example,
+    policies_under_test,
+    run_torchrun,
+    tolerance,
+)
 
 PICKLED = ("model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "training_args.bin")
 
@@ -171,3 +177,24 @@ def test_async_save_writes_the_file_before_a_push_to_the_hub(tmp_path: Path) -> 
     trainer._finish_current_push = lambda: None  # type: ignore[method-assign]
     trainer.train()
     assert pushed == [(True, False), (True, False)]
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="torchrun with gloo")
+def test_ddp_on_torchrun_resumes_where_the_uninterrupted_run_ends(tmp_path: Path) -> None:
+    """Two DDP ranks (gloo): rank 0 writes each folder's file (here in the background), every
+    rank its own RNG state; a run stopped at step 7 and resumed in new processes from its
+    newest complete folder ends where the uninterrupted run ends."""
+    def launch(out: Path, *arguments: str) -> dict:
+        done = run_torchrun("hf_trainer_tiny.py", "--out", str(out), "--policy", "lossless", *arguments)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    uninterrupted = launch(tmp_path / "whole")
+    first = launch(tmp_path / "run", "--stop-at", "7", "--async")
+    assert first["global_step"] == 7 and first["checkpoints"] == ["checkpoint-3", "checkpoint-6"]
+    resumed = launch(tmp_path / "run", "--resume", "--async")
+    assert resumed["global_step"] == uninterrupted["global_step"]
+    assert abs(resumed["loss"] - uninterrupted["loss"]) <= tolerance("lossless") * uninterrupted["loss"]
+    for name in resumed["checkpoints"]:
+        files = sorted(p.name for p in (tmp_path / "run" / name).iterdir())
+        assert files == ["config.json", STATE_FILE, "rng_state_0.pth", "rng_state_1.pth", "trainer_state.json"]
