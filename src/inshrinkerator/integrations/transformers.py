@@ -216,7 +216,7 @@ class InkTrainerMixin:
         # The last piece _save_checkpoint saves before trainer_state.json: write the file here.
         if self._ink_parts is None or not self.args.should_save:  # type: ignore[attr-defined]
             return super()._save_rng_state(output_dir)  # type: ignore[misc]
-        if self.args.world_size > 1:  # other ranks keep their own rng_state_{i}.pth
+        if self.args.world_size > 1:  # every rank keeps its own rng_state_{i}.pth (weights-only)
             super()._save_rng_state(output_dir)  # type: ignore[misc]
         else:
             self._ink_parts["rng"] = _rng_state()
