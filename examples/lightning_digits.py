@@ -72,12 +72,13 @@ def evaluate(model: DigitsClassifier, held: torch.utils.data.TensorDataset) -> d
 
 
 def run(out: Path, epochs: int, resume: Optional[str] = None, policy: Optional[str] = None,
-        use_async: bool = False, default_io: bool = False, wrap_async: bool = False) -> dict[str, Any]:
+        use_async: bool = False, default_io: bool = False, wrap_async: bool = False,
+        devices: int = 1) -> dict[str, Any]:
     """Train to ``epochs`` (from ``resume``, a .ckpt path or ``"last"``); return a summary.
 
     ``default_io=True`` uses Lightning's own ``TorchCheckpointIO`` (for size comparisons).
     ``use_async`` saves on the plugin's background thread, ``wrap_async`` behind
-    ``AsyncCheckpointIO``.
+    ``AsyncCheckpointIO``. ``devices`` > 1: DDP on the CPU (gloo), e.g. under ``torchrun``.
     """
     torch.manual_seed(0)
     train, held = digits()
@@ -90,7 +91,8 @@ def run(out: Path, epochs: int, resume: Optional[str] = None, policy: Optional[s
         plugins.append(AsyncCheckpointIO(io) if wrap_async else io)
         callbacks.append(InkWatch())
     trainer = L.Trainer(
-        max_epochs=epochs, plugins=plugins, callbacks=callbacks, accelerator="cpu",
+        max_epochs=epochs, plugins=plugins, callbacks=callbacks, accelerator="cpu", devices=devices,
+        strategy="ddp" if devices > 1 else "auto",
         logger=False, enable_progress_bar=False, enable_model_summary=False,
         deterministic=True,
     )
@@ -120,8 +122,10 @@ def main() -> None:
                         help="compress and write on a background thread")
     parser.add_argument("--async-wrapper", dest="wrap_async", action="store_true",
                         help="behind Lightning's AsyncCheckpointIO instead")
+    parser.add_argument("--devices", type=int, default=1, help="> 1: DDP on the CPU (e.g. under torchrun)")
     args = parser.parse_args()
-    summary = run(args.out, args.epochs, args.resume, args.policy, args.use_async, wrap_async=args.wrap_async)
+    summary = run(args.out, args.epochs, args.resume, args.policy, args.use_async, wrap_async=args.wrap_async,
+                  devices=args.devices)
     print(json.dumps(summary))
 
 
