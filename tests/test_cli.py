@@ -239,3 +239,22 @@ def test_a_torch_ckpt_is_read_weights_only(capsys, tmp_path: Path) -> None:
     torch.save({"state_dict": {"w": torch.ones(4)}, "epoch": 3}, tmp_path / "plain.ckpt")
     code, _, _ = run(capsys, "compress", str(tmp_path / "plain.ckpt"), str(tmp_path / "plain.ink"))
     assert code == 0 and ink.load(tmp_path / "plain.ink")["epoch"] == 3
+
+
+def test_a_trainer_checkpoint_folder_stands_for_its_state_file(capsys, tmp_path: Path) -> None:
+    """``inshrink info / verify / decompress out/checkpoint-6`` read the folder's
+    ``inshrinkerator.ink`` (InkTrainer's), keyframe and all."""
+    from inshrinkerator.integrations._keyframes import KEYFRAME_DIR, KeyframeStore
+
+    store = KeyframeStore(tmp_path / KEYFRAME_DIR, policy="lossless")
+    for step in (3, 6):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        store.save(training_state(seed=step), tmp_path / f"checkpoint-{step}" / "inshrinkerator.ink")
+    folder = str(tmp_path / "checkpoint-6")
+    code, out, _ = run(capsys, "info", "--json", folder)
+    assert code == 0 and json.loads(out)["kind"] == "delta"
+    assert run(capsys, "verify", folder)[0] == 0
+    assert run(capsys, "decompress", folder, str(tmp_path / "six.pt"))[0] == 0
+    assert_same(torch.load(tmp_path / "six.pt", weights_only=True), training_state(seed=6))
+    code, _, err = run(capsys, "info", str(tmp_path))  # a folder that holds no state file
+    assert code == 1 and "directory, not an .ink file" in " ".join(err.split())

@@ -62,6 +62,16 @@ def _is_run(path: str) -> bool:
     return is_run(path)
 
 
+#: The file a Hugging Face ``checkpoint-N`` folder of ``InkTrainer`` keeps its state in.
+_TRAINER_STATE_FILE = "inshrinkerator.ink"
+
+
+def _single_file(path: str) -> str:
+    """``path``, or the state file inside it when it names an ``InkTrainer`` checkpoint folder."""
+    inside = os.path.join(path, _TRAINER_STATE_FILE)
+    return inside if "://" not in path and os.path.isdir(path) and os.path.isfile(inside) else path
+
+
 def _print_json(payload: Any) -> None:
     print(json.dumps(payload, indent=2, default=str))
 
@@ -194,7 +204,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         entries = _run_summary(args.path, args.classes)
         _print_json(entries) if args.json else _show_run_summary(args.path, entries)
     else:
-        summary = _file_summary(args.path)
+        summary = _file_summary(_single_file(args.path))
         _print_json(summary) if args.json else _show_file_summary(summary)
     return 0
 
@@ -236,7 +246,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
         problems = verify_run(args.path)
     else:
-        problems = _verify_file(args.path, args.base)
+        problems = _verify_file(_single_file(args.path), args.base)
     ok = not problems
     if args.json:
         _print_json({"path": args.path, "ok": ok, "problems": problems})
@@ -282,7 +292,7 @@ def cmd_decompress(args: argparse.Namespace) -> int:
     else:
         if args.step is not None:
             raise InkError(f"{args.input} is a single file, not a run: --step does not apply")
-        state = read_any(args.input, base=read_any(args.base) if args.base else None)
+        state = read_any(_single_file(args.input), base=read_any(args.base) if args.base else None)
     write_torch_or_safetensors(state, args.output)
     size = os.path.getsize(args.output)
     if args.json:
