@@ -198,3 +198,41 @@ def test_ddp_on_torchrun_resumes_where_the_uninterrupted_run_ends(tmp_path: Path
     for name in resumed["checkpoints"]:
         files = sorted(p.name for p in (tmp_path / "run" / name).iterdir())
         assert files == ["config.json", STATE_FILE, "rng_state_0.pth", "rng_state_1.pth", "trainer_state.json"]
+
+
+def _best_model_run(out: Path, async_save: bool) -> dict:
+    """12 steps, evaluated and saved every 3, ``save_total_limit=1``, the best (the first:
+    greater loss is "better" here) loaded at the end."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+    from inshrinkerator.integrations.transformers import InkTrainer
+
+    example = load_example("hf_trainer_tiny")
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=example.CONTEXT, n_embd=16, n_layer=1, n_head=2))
+    args = TrainingArguments(
+        str(out), max_steps=12, per_device_train_batch_size=4, learning_rate=3e-3, save_strategy="steps",
+        save_steps=3, eval_strategy="steps", eval_steps=3, save_total_limit=1, load_best_model_at_end=True,
+        metric_for_best_model="loss", greater_is_better=True, report_to=[], use_cpu=True, seed=0,
+        disable_tqdm=True, dataloader_num_workers=0,
+    )
+    data = example.SourceBytes(windows=16)
+    trainer = InkTrainer(model=model, args=args, train_dataset=data, eval_dataset=data, ink_policy="lossless",
+                         ink_async_save=async_save)
+    trainer.train()
+    return {"best": Path(trainer.state.best_model_checkpoint).name,
+            "folders": sorted(p.name for p in out.glob("checkpoint-*")),
+            "weights": {k: v.clone() for k, v in model.state_dict().items()}}
+
+
+def test_async_save_keeps_and_loads_the_best_model_as_a_synchronous_run_does(tmp_path: Path) -> None:
+    import torch
+
+    synchronous = _best_model_run(tmp_path / "sync", async_save=False)
+    asynchronous = _best_model_run(tmp_path / "async", async_save=True)
+    assert synchronous["best"] == asynchronous["best"] == "checkpoint-3"  # not the newest: rotation kept it
+    assert asynchronous["folders"] == synchronous["folders"]
+    assert asynchronous["weights"].keys() == synchronous["weights"].keys()
+    for key, value in synchronous["weights"].items():
+        assert torch.equal(asynchronous["weights"][key], value), key
