@@ -62,13 +62,11 @@ def _is_run(path: str) -> bool:
     return is_run(path)
 
 
-#: The file a Hugging Face ``checkpoint-N`` folder of ``InkTrainer`` keeps its state in.
-_TRAINER_STATE_FILE = "inshrinkerator.ink"
-
-
 def _single_file(path: str) -> str:
     """``path``, or the state file inside it when it names an ``InkTrainer`` checkpoint folder."""
-    inside = os.path.join(path, _TRAINER_STATE_FILE)
+    from .integrations._keyframes import TRAINER_STATE_FILE
+
+    inside = os.path.join(path, TRAINER_STATE_FILE)
     return inside if "://" not in path and os.path.isdir(path) and os.path.isfile(inside) else path
 
 

@@ -194,8 +194,8 @@ def load(
             reached).
     """
     with open_container(path) as reader:
-        if base is None and reader.meta.get("keyframe") is not None:
+        if base is None:  # a file that names a keyframe finds it; any other reads as it is
             from .integrations._keyframes import read_with_keyframe
 
-            return read_with_keyframe(reader, path)
+            return read_with_keyframe(reader, path, progress=progress)
         return read_state(reader, _base_references(base), progress=progress)

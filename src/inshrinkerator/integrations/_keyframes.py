@@ -13,24 +13,23 @@ Deltas are taken against the keyframe as a reader will decode it (closed loop), 
 lossy policy's error never accumulates.
 
 Checkpoints and keyframes live in a local folder or behind an fsspec URL (``s3://``,
-``memory://``, ...). A remote file is uploaded whole once it is encoded (it is compressed:
-a fraction of the state in memory), so a failed save leaves the earlier file as it was.
+``memory://``, ...). Each file is written as ``ink.save`` writes one: under a temporary
+name beside it, moved or copied into place once complete, so a failed save leaves the
+earlier file as it was.
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 import os
 import posixpath
 import shutil
-import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any, Optional, Union
+from typing import Any, Optional, Union
 
 import fsspec
 import torch
@@ -38,15 +37,17 @@ import torch
 from ..errors import BrokenChainError, CheckpointNotFoundError
 from ..info import SaveInfo
 from ..policies import Policy
-from ..serialize import read_state, reference_map, write_state
-from ..single_file import open_container
+from ..serialize import ProgressCallback, read_state, reference_map, write_state
+from ..single_file import _write_whole, open_container
 from ..store import policy_or_default
 from ..store.remote_errors import translated
 
-__all__ = ["KeyframeStore", "KEYFRAME_DIR", "keyframe_of", "keyframe_path", "read_with_keyframe"]
+__all__ = ["KeyframeStore", "KEYFRAME_DIR", "TRAINER_STATE_FILE", "keyframe_of", "keyframe_path", "read_with_keyframe"]
 
 #: The hidden folder, beside the checkpoints, that holds the keyframes.
 KEYFRAME_DIR = ".ink-keyframes"
+#: The file in which a Hugging Face ``checkpoint-N`` folder of ``InkTrainer`` keeps its state.
+TRAINER_STATE_FILE = "inshrinkerator.ink"
 _META_KEY = "keyframe"
 
 
@@ -162,32 +163,6 @@ def read_text(where: str) -> str:
         return bytes(fs.cat_file(path)).decode("utf-8")
 
 
-def write_atomically(where: str, write: Callable[[IO[bytes]], Any]) -> Any:
-    """Write ``where`` so that readers never see half a file: locally under a temporary
-    name, fsync, rename; remotely one upload of the whole file once ``write`` is done (some
-    stores, ``memory://`` among them, show an open file's bytes as they are written)."""
-    if _is_url(where):
-        fs, path = _fs_path(where)
-        buffer = io.BytesIO()
-        result = write(buffer)
-        with translated(where):
-            fs.pipe_file(path, buffer.getvalue())
-        return result
-    target = Path(where)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            result = write(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, target)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-    return result
-
-
 def _ref_name(target: str) -> str:
     return hashlib.sha1(target.encode("utf-8")).hexdigest()[:20]
 
@@ -231,6 +206,7 @@ def _read_keyframe(path: str, source: str) -> dict[str, torch.Tensor]:
 def read_with_keyframe(
     reader: Any, source: Where,
     references_of: Optional[Callable[[str, str, str], dict[str, torch.Tensor]]] = None,
+    progress: Optional[ProgressCallback] = None,
 ) -> Any:
     """The state in an open ``.ink`` file at ``source``, decoded against the keyframe it
     names, found beside it (a file that names none is read as it is).
@@ -244,12 +220,12 @@ def read_with_keyframe(
     source = location(source)
     path = keyframe_path(reader, source)
     if path is None:  # a plain .ink file (e.g. made with ink.save) loads as is
-        return read_state(reader)
+        return read_state(reader, progress=progress)
     keyframe = str(keyframe_of(reader))
     references = (references_of or (lambda _, where, checkpoint: _read_keyframe(where, checkpoint)))(keyframe, path, source)
     hint = f"keyframe {path} does not match; was it replaced by hand?"
     try:
-        return read_state(reader, references, reference_hint=hint)
+        return read_state(reader, references, reference_hint=hint, progress=progress)
     except BrokenChainError as error:
         if hint in str(error):
             raise
@@ -304,7 +280,7 @@ class KeyframeStore:
             self._saves_since_keyframe += 1
             self._add_ref(keyframe, target)
         meta = {_META_KEY: keyframe, "keyframe_dir": relative(self.root, parent(target))}
-        written = write_atomically(
+        written = _write_whole(
             target,
             lambda out: write_state(out, state, self.policy, reference, reference_name=keyframe, meta=meta),
         )
@@ -324,7 +300,7 @@ class KeyframeStore:
 
     def _new_keyframe(self, state: Any) -> int:
         keyframe = f"kf-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
-        written = write_atomically(
+        written = _write_whole(
             join(self.root, f"{keyframe}.ink"),
             lambda out: write_state(out, state, self.policy, keep_reconstruction=True),
         )
@@ -395,10 +371,9 @@ class KeyframeStore:
     def _keyframe_of(self, target: str) -> Optional[str]:
         try:
             with open_container(target) as reader:
-                keyframe = reader.meta.get(_META_KEY)
+                return keyframe_of(reader)
         except (OSError, ValueError):  # not ours or damaged: it holds no reference
             return None
-        return keyframe if isinstance(keyframe, str) else None
 
     def _add_ref(self, keyframe: str, target: str) -> None:
         write_text(join(self.root, f"{keyframe}.refs", _ref_name(target)), target)

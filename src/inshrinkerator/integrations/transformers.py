@@ -49,7 +49,7 @@ from ..policies import Policy
 from ..store import policy_or_default, watch_with
 from ..store.async_worker import BackgroundWorker
 from ..store.snapshot import snapshot_state
-from ._keyframes import KEYFRAME_DIR, KeyframeStore
+from ._keyframes import KEYFRAME_DIR, TRAINER_STATE_FILE, KeyframeStore
 
 try:  # transformers >= 5: a function; before, the Trainer's own method
     from transformers.trainer_utils import rotate_checkpoints
@@ -59,7 +59,7 @@ except ImportError:  # pragma: no cover - older transformers
 __all__ = ["InkTrainerMixin", "InkTrainer", "STATE_FILE", "PENDING_FILE"]
 
 #: The file inside each ``checkpoint-N`` folder.
-STATE_FILE = "inshrinkerator.ink"
+STATE_FILE = TRAINER_STATE_FILE
 #: Present in a ``checkpoint-N`` folder while its file is written in the background.
 PENDING_FILE = "inshrinkerator.pending"
 _CHECKPOINT_FOLDER = re.compile(r"^checkpoint-(\d+)$")
