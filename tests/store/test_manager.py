@@ -184,6 +184,65 @@ def test_reference_is_private_when_training_mutates_tensors_after_save(run_url: 
             assert_same(mgr.load(step)["model"], state)
 
 
+@pytest.mark.parametrize("policy", ["dynaquant", "lossless"])
+def test_a_resumed_runs_first_save_builds_on_the_loaded_state_without_reading_the_chain(
+    tmp_path, monkeypatch, policy: str
+) -> None:
+    # A resume: a new manager loads the latest step, training updates the loaded tensors
+    # in place (an optimizer adopts loaded moments), and the next save is a delta against
+    # that step. It is the file a manager that reads the chain at save time writes.
+    model, optimizer = torch.nn.Linear(64, 48), None
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    def train(steps: int) -> dict:
+        for _ in range(steps):
+            loss = model(torch.randn(16, 64)).square().mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+
+    torch.manual_seed(0)
+    first, second = tmp_path / "resumed", tmp_path / "reread"
+    with CheckpointManager(first, policy=policy, full_every=10) as one, CheckpointManager(
+        second, policy=policy, full_every=10
+    ) as two:
+        for step in range(1, 4):
+            state = train(3)
+            one.save(step, state)
+            two.save(step, state)
+    reads = []
+    real_load_chain, real_load_step = manager_module.load_chain, manager_module.load_step
+    monkeypatch.setattr(manager_module, "load_chain", lambda *a: reads.append(a[1][-1].step) or real_load_chain(*a))
+    monkeypatch.setattr(manager_module, "load_step", lambda *a: reads.append(a[1]) or real_load_step(*a))
+    with CheckpointManager(first, policy=policy, full_every=10) as resumed:
+        loaded = resumed.load()
+        assert reads == [3]
+        model.load_state_dict(loaded["model"])
+        optimizer.load_state_dict(loaded["optimizer"])
+        state = train(3)  # updates the loaded moments in place
+        assert resumed.save(4, state).kind == "delta"
+        assert reads == [3], "the save read the chain again"
+    with CheckpointManager(second, policy=policy, full_every=10) as reread:
+        assert reread.save(4, state).kind == "delta"
+        assert reads == [3, 3], "a manager that loaded nothing reads its reference at save time"
+    data = lambda run: next(p.read_bytes() for p in run.iterdir() if p.name.startswith("step-0000000004") and p.suffix == ".ink")  # noqa: E731
+    assert data(first) == data(second)
+
+
+@pytest.mark.parametrize("full_every, step, copied", [(10, 3, True), (10, 2, False), (4, 3, False)])
+def test_only_a_step_the_next_save_builds_on_is_kept_after_a_load(
+    tmp_path, full_every: int, step: int, copied: bool
+) -> None:
+    with CheckpointManager(tmp_path, policy="lossless", full_every=full_every) as mgr:
+        for s in range(4):
+            mgr.save(s, state_for(s))
+    with CheckpointManager(tmp_path, policy="lossless", full_every=full_every) as mgr:
+        assert_same(mgr.load(step), state_for(step))
+        # Steps 0-3 in one chain: step 3 is the latest, a fourth delta only below full_every=4.
+        assert (mgr._reference_step == step) is copied
+
+
 def test_closed_loop_deltas_never_accumulate_lossy_error(run_url: str) -> None:
     scale = 1e-2
     truth = torch.randn(4096) * 0.1

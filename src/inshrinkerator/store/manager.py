@@ -18,7 +18,7 @@ from ..policies import Policy, resolve_policy
 from ..serialize import WrittenState, reference_map, write_state
 from ..tree import flatten
 from .async_worker import BackgroundWorker
-from .chain import load_step, resolve_chain
+from .chain import load_chain, load_step, resolve_chain
 from .commit import ensure_run_marker, list_steps, publish_manifest, read_manifest, remove_stale, write_data
 from .manifest import MAX_STEP, StepManifest, manifest_name, utc_now
 from .retention import apply_retention
@@ -393,7 +393,9 @@ class CheckpointManager:
     def load(self, step: Optional[int] = None) -> Any:
         """The state saved at ``step`` (the latest step when ``None``), tensors on the CPU.
 
-        Waits for a save in flight first. Reads only the files of that step's chain.
+        Waits for a save in flight first. Reads only the files of that step's chain. A
+        step the next save would be a delta against (the run's latest, its chain not
+        full) is also kept, as a private copy, for that save (see :meth:`_keep_as_reference`).
 
         Raises:
             CheckpointNotFoundError: no such step, or the run has no step yet.
@@ -402,14 +404,14 @@ class CheckpointManager:
         """
         self._check_open()
         self._settle()
+        steps = list_steps(self._storage)
         if step is None:
-            steps = list_steps(self._storage)
             if not steps:
                 raise CheckpointNotFoundError(f"{self.location}: the run has no checkpoint yet")
             step = steps[-1]
         step = _check_step(step)
         try:
-            return load_step(self._storage, step)
+            chain, state = self._read_chain(step)
         except CheckpointNotFoundError:
             steps = list_steps(self._storage)
             raise CheckpointNotFoundError(
@@ -418,11 +420,36 @@ class CheckpointManager:
         except (BrokenChainError, CorruptCheckpointError):
             # A writer's retention may have re-based or deleted the chain while it was
             # being read; the step's manifest then changed: read it once more.
-            if step not in list_steps(self._storage):
+            steps = list_steps(self._storage)
+            if step not in steps:
                 raise CheckpointNotFoundError(
                     f"{self.location}: step {step} was deleted by retention while it was read"
                 ) from None
-            return load_step(self._storage, step)
+            chain, state = self._read_chain(step)
+        if steps and step == steps[-1]:
+            self._keep_as_reference(chain, state)
+        return state
+
+    def _read_chain(self, step: int) -> tuple[list[StepManifest], Any]:
+        chain = resolve_chain(self._storage, step)
+        return chain, load_chain(self._storage, chain)
+
+    def _keep_as_reference(self, chain: list[StepManifest], state: Any) -> None:
+        """Note the run's latest step, just loaded through ``chain``, and keep a private copy
+        of ``state`` as the next save's closed-loop reference where that save is a delta
+        against it (the chain is not full): a resumed run's first save then does not decode
+        the whole chain again (on MiniLM's failure runs such a save read it again, about
+        0.2 s a step of it). The copy is what a save keeps of its own step anyway; the
+        loaded tensors are not it, since an optimizer adopts loaded moments and updates them
+        in place. It holds what that read would return, bit for bit: the same files."""
+        self._latest, self._latest_known, self._latest_depth = chain[-1], True, len(chain) - 1
+        step = chain[-1].step
+        chain_full = self._latest_depth + 1 >= self.full_every or self.keep_last == 1
+        if chain_full or self._reference_step == step:
+            return
+        self._reference = None  # the earlier reference is done with: free it first
+        self._reference = {key: tensor.detach().clone() for key, tensor in reference_map(state).items()}
+        self._reference_step = step
 
     def steps(self) -> list[int]:
         """The committed steps, ascending (waits for a save in flight first)."""
