@@ -241,6 +241,7 @@ def test_only_a_step_the_next_save_builds_on_is_kept_after_a_load(
         assert_same(mgr.load(step), state_for(step))
         # Steps 0-3 in one chain: step 3 is the latest, a fourth delta only below full_every=4.
         assert (mgr._reference_step == step) is copied
+    assert mgr._reference is None, "a closed manager still holds a state's worth of reference"
 
 
 def test_closed_loop_deltas_never_accumulate_lossy_error(run_url: str) -> None:

@@ -395,7 +395,8 @@ class CheckpointManager:
 
         Waits for a save in flight first. Reads only the files of that step's chain. A
         step the next save would be a delta against (the run's latest, its chain not
-        full) is also kept, as a private copy, for that save (see :meth:`_keep_as_reference`).
+        full) is also kept, as a private copy, for that save (see :meth:`_keep_as_reference`),
+        until then or until :meth:`close`.
 
         Raises:
             CheckpointNotFoundError: no such step, or the run has no step yet.
@@ -482,12 +483,17 @@ class CheckpointManager:
         if self._closed:
             return
         self._closed = True
-        if self._worker is not None:
-            try:
-                self._worker.result()
-            finally:
-                self._worker.shutdown()
-                self._spare = None
+        try:
+            if self._worker is not None:
+                try:
+                    self._worker.result()
+                finally:
+                    self._worker.shutdown()
+                    self._spare = None
+        finally:
+            # A closed manager saves nothing more: the reference (a state's worth of memory,
+            # kept by the last save or a load of the latest step) is let go.
+            self._reference, self._reference_step = None, None
 
     def watch(self, model: torch.nn.Module) -> None:
         """Let a policy that wants gradients see ``model`` (a no-op for other policies)."""
