@@ -20,7 +20,7 @@ from .container import ContainerReader, ContainerWriter
 from .container.format import context_depths
 from .errors import BrokenChainError, FormatError
 from .policies import Lossless, Policy
-from .tree import TensorLeaf, flatten, format_key_path, tensor_paths, unflatten
+from .tree import TensorLeaf, flatten, format_key_path, unflatten
 
 __all__ = [
     "WrittenState",
@@ -253,7 +253,10 @@ def tensor_keys(reader: ContainerReader) -> list[str]:
         FormatError: the skeleton and the tensor records disagree.
     """
     header = reader.header
-    paths = tensor_paths(header.skeleton)
+    # The paths the header's parse found (and checked) in its skeleton: a chain restore
+    # asks for the keys of each file twice, and walking a skeleton again took ~1.7 ms a
+    # time on MiniLM's states (253 tensors).
+    paths = header.tensor_paths
     if set(paths) != set(range(len(header.tensors))):
         raise FormatError(f"{reader.source}: skeleton and tensor records disagree")
     return [format_key_path(paths[index]) for index in range(len(header.tensors))]
