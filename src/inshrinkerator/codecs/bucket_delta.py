@@ -130,6 +130,9 @@ _RUNS_FROM, _DIRECT_UP_TO = 0.5, 0.9
 _HEAD = struct.Struct("<BHH")
 # The shared entropy stage starts its stream with a fixed header: alphabet, count, table bytes.
 _SYMBOLS_HEAD = struct.Struct("<IQI")
+# Streams of fewer ids are put together in NumPy at decode (its calls cost a fraction of
+# torch's on a few thousand ids; :mod:`.small_tensor_decode`).
+_SMALL_DECODE = 1 << 13
 
 
 def id_dtype(levels: int) -> torch.dtype:
@@ -444,6 +447,19 @@ def _symmetric_candidate(symbols: torch.Tensor, levels: int, centre: int, to_bea
     return coded if len(coded) < to_beat else None
 
 
+def _small_direct_ids(symbols: torch.Tensor, predicted: torch.Tensor, levels: int, mode: int) -> torch.Tensor:
+    """The ids of a short direct stream coded against ``predicted`` ids (CPU), in NumPy:
+    the same regrouping and cyclic sums as the torch path of :func:`decode_bucket_ids`."""
+    dtype = np.uint8 if id_dtype(levels) == torch.uint8 else np.int16
+    base = predicted.reshape(-1).numpy().astype(dtype, copy=False)
+    values = symbols.numpy()
+    if mode == REARRANGED:  # the k-th symbol belongs to the k-th element of _order
+        placed = np.empty_like(values)
+        placed[np.argsort(base, kind="stable")] = values
+        values = placed
+    return torch.from_numpy(((base.astype(np.int32) + values) % levels).astype(dtype))
+
+
 def decode_bucket_ids(
     data: Any, levels: int, count: int, predicted: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
@@ -484,17 +500,26 @@ def decode_bucket_ids(
     if direct and (symbol_count != count or extra_bits):
         raise CorruptCheckpointError("bucket-id stream: a direct layout holds one symbol per id")
     alphabet = levels if direct else token_alphabet(levels)
+    small = 0 < count < _SMALL_DECODE and (predicted is None or predicted.device.type == "cpu")
     if coder == SYMMETRIC:
         values = decode_symmetric(view[cursor : cursor + coded_bytes], symbol_count)
-        if values.numel() and int(values.abs().max()) > levels // 2:
-            raise CorruptCheckpointError(f"bucket-id stream: a symmetric value lies beyond half of {levels} levels")
-        symbols = (values + run_symbol) % levels
+        if small:  # the same checks and sums in NumPy (int64, remainders of the divisor's sign)
+            distances = values.numpy()
+            if distances.size and int(np.abs(distances).max()) > levels // 2:
+                raise CorruptCheckpointError(f"bucket-id stream: a symmetric value lies beyond half of {levels} levels")
+            symbols = torch.from_numpy((distances + run_symbol) % levels)
+        else:
+            if values.numel() and int(values.abs().max()) > levels // 2:
+                raise CorruptCheckpointError(f"bucket-id stream: a symmetric value lies beyond half of {levels} levels")
+            symbols = (values + run_symbol) % levels
     else:
         symbols = decode_id_symbols(view[cursor : cursor + coded_bytes], coder, symbol_count, alphabet)
     dtype = id_dtype(levels)
     if direct:
         if mode == PLAIN:
             return symbols.to(dtype)
+        if small:
+            return _small_direct_ids(symbols, predicted, levels, mode)
         if mode == REARRANGED:
             order = _order(predicted, levels)
             symbols = torch.empty_like(symbols).index_copy_(0, order, symbols)

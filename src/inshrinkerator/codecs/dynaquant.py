@@ -60,6 +60,7 @@ import zlib
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from ..errors import BrokenChainError, CorruptCheckpointError, FormatError
@@ -88,6 +89,7 @@ from .prepared import PreparedEncoding
 from .registry import register_codec
 from .row_classes import RowGroups, choose_row_classes, matrix_rows, read_row_classes, row_class_header
 from .scratch import scratch
+from .small_tensor_decode import small_predicted_ids, small_reconstruction
 from .varint import decode_varint, encode_varint
 
 __all__ = [
@@ -513,16 +515,23 @@ class DynaQuantCodec(PreparedEncoding, Codec):
             values = even_level_values(step, count // 2)
         else:
             values = torch.frombuffer(bytearray(view[values_start:values_end]), dtype=torch.float32)
-        if not bool(torch.isfinite(values).all()) or float(values[zero_index]) != 0.0:
+        # The table's checks in NumPy: on a few dozen values its calls cost a fraction of
+        # torch's, and every decode makes them.
+        levels = values.numpy()
+        if not bool(np.isfinite(levels).all()) or float(levels[zero_index]) != 0.0:
             raise CorruptCheckpointError(f"{self.codec_id}: level table is damaged")
-        if count > 1 and not bool((values[1:] >= values[:-1]).all()):
+        if count > 1 and not bool((levels[1:] >= levels[:-1]).all()):
             raise CorruptCheckpointError(f"{self.codec_id}: level table is not sorted")
         table = LevelTable(values, zero_index, LOG if flags & _LOG_FLAG else LINEAR, prune_below, protect_above)
         if protected_count:
             protected = torch.frombuffer(bytearray(view[values_end:protected_end]), dtype=protected_dtype)
         else:
             protected = torch.empty(0, dtype=protected_dtype)
-        predicted = None if reference is None else predicted_ids(table, reference, shift)
+        predicted = None
+        if reference is not None:
+            predicted = small_predicted_ids(table, reference, shift)
+            if predicted is None:
+                predicted = predicted_ids(table, reference, shift)
         if flags & _ROWS_FLAG:
             if groups is not None or zeros is not None or reference is not None:
                 raise FormatError(f"{self.codec_id}: row classes code whole tensors without a reference only")
@@ -547,7 +556,8 @@ class DynaQuantCodec(PreparedEncoding, Codec):
             mismatch = bool(ids.numel()) and int(ids.max()) == table.protect_id
         if mismatch:
             raise CorruptCheckpointError(f"{self.codec_id}: protected ids and values disagree")
-        return reconstruct(ids, table, protected, spec.dtype, spec.shape, positions)
+        small = small_reconstruction(ids, table, protected, spec.dtype, spec.shape, positions)
+        return small if small is not None else reconstruct(ids, table, protected, spec.dtype, spec.shape, positions)
 
     def _decode_groups(
         self, view: memoryview, start: int, levels: int, spec: TensorSpec, groups: ContextGroups
