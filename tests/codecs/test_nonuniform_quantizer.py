@@ -19,12 +19,13 @@ from inshrinkerator.codecs.nonuniform_quantizer import (
     assign_ids,
     fit_centroids,
     fit_centroids_batch,
-    key_centres,
     make_level_table,
     reconstruct,
     stick_to_predicted,
 )
 from inshrinkerator.codecs.passes import SLICE_ELEMENTS
+
+from .level_tables import random_level_tables
 
 
 def _weights(count: int = 20_000, seed: int = 0) -> torch.Tensor:
@@ -157,21 +158,9 @@ def test_the_ids_of_a_few_keys_are_those_of_the_whole_key_table(domain: str) -> 
     # domain with and without pruning and protection, the two must agree.
     from inshrinkerator.codecs.nonuniform_quantizer import DIRECT_IDS_FRACTION
 
-    generator = torch.Generator().manual_seed(0)
     every_key = torch.arange(SIGNED_KEYS, dtype=torch.int32)
     chunk = SIGNED_KEYS // DIRECT_IDS_FRACTION - 1
-    for trial in range(12):
-        values = torch.randn(2_000, generator=generator) * 10.0 ** float(torch.randint(-20, 3, (1,), generator=generator))
-        if domain == LOG:
-            values = values.abs()
-        keys = signed_keys(values)
-        levels = fit_centroids(torch.bincount(keys, minlength=SIGNED_KEYS), 1 + trial * 3, 1.0, domain)
-        if trial % 4 == 3:  # on level boundaries exactly: centroids at bucket centres
-            levels = torch.unique(torch.cat([levels, key_centres()[keys[:5].long()].float()]))
-            levels = levels[(levels != 0) & torch.isfinite(levels)]
-        prune_below = int(torch.randint(1, 9000, (1,), generator=generator)) if trial % 2 else 1
-        protect_above = int(torch.randint(8000, FIRST_NON_FINITE_KEY, (1,), generator=generator))
-        table = make_level_table(levels, domain, prune_below, protect_above)
+    for trial, table in enumerate(random_level_tables(domain, trials=12, bins_step=3, seed=0)):
         whole = table.lookup()
         parts = torch.cat([table.ids(every_key[start : start + chunk]) for start in range(0, SIGNED_KEYS, chunk)])
         assert parts.dtype == whole.dtype and torch.equal(parts, whole), trial

@@ -7,14 +7,10 @@ import torch
 
 from inshrinkerator.codecs.bucket_delta import _SMALL_DECODE, decode_bucket_ids, encode_bucket_ids
 from inshrinkerator.codecs.dynaquant import predicted_ids
-from inshrinkerator.codecs.log_sketch import MANTISSA_BITS, SIGNED_KEYS, signed_keys
+from inshrinkerator.codecs.log_sketch import MANTISSA_BITS, SIGNED_KEYS
 from inshrinkerator.codecs.nonuniform_quantizer import (
-    FIRST_NON_FINITE_KEY,
     LINEAR,
     LOG,
-    fit_centroids,
-    key_centres,
-    make_level_table,
     reconstruct,
 )
 from inshrinkerator.codecs.small_tensor_decode import (
@@ -23,23 +19,11 @@ from inshrinkerator.codecs.small_tensor_decode import (
     small_reconstruction,
 )
 
+from .level_tables import random_level_tables
+
 
 def _tables(domain: str, trials: int = 8) -> list:
-    generator = torch.Generator().manual_seed(1)
-    tables = []
-    for trial in range(trials):
-        values = torch.randn(2_000, generator=generator) * 10.0 ** float(torch.randint(-20, 3, (1,), generator=generator))
-        if domain == LOG:
-            values = values.abs()
-        keys = signed_keys(values)
-        levels = fit_centroids(torch.bincount(keys, minlength=SIGNED_KEYS), 1 + trial * 40, 1.0, domain)
-        if trial % 4 == 3:  # on level boundaries exactly: centroids at bucket centres
-            levels = torch.unique(torch.cat([levels, key_centres()[keys[:5].long()].float()]))
-            levels = levels[(levels != 0) & torch.isfinite(levels)]
-        prune_below = int(torch.randint(1, 9000, (1,), generator=generator)) if trial % 2 else 1
-        protect_above = int(torch.randint(8000, FIRST_NON_FINITE_KEY, (1,), generator=generator))
-        tables.append(make_level_table(levels, domain, prune_below, protect_above))
-    return tables
+    return random_level_tables(domain, trials, bins_step=40, seed=1)
 
 
 @pytest.mark.parametrize("domain", [LINEAR, LOG])
