@@ -244,8 +244,7 @@ class CheckpointManager:
                 f"{self.location}: cannot save step {step}: the run's latest step is {latest.step} "
                 "and steps only grow (use a new run, or a higher step)"
             )
-        chain_full = self._latest_depth + 1 >= self.full_every or self.keep_last == 1
-        base = latest if latest is not None and not chain_full else None
+        base = latest if latest is not None and not self._chain_full() else None
         if self._worker is None:
             info = self._write_step(step, state, base, private=False)
             return SaveInfo(info.step, info.kind, info.raw_bytes, info.stored_bytes, info.ratio,
@@ -280,6 +279,10 @@ class CheckpointManager:
             self._latest_depth = self._chain_depth(steps[-1]) if steps else 0
             self._latest_known = True
         return self._latest
+
+    def _chain_full(self) -> bool:
+        """Whether the next save starts a new chain (a full checkpoint) after the latest step."""
+        return self._latest_depth + 1 >= self.full_every or self.keep_last == 1
 
     def _chain_depth(self, step: int) -> int:
         """Deltas between ``step`` and its full checkpoint; a broken chain counts as too long,
@@ -445,8 +448,7 @@ class CheckpointManager:
         in place. It holds what that read would return, bit for bit: the same files."""
         self._latest, self._latest_known, self._latest_depth = chain[-1], True, len(chain) - 1
         step = chain[-1].step
-        chain_full = self._latest_depth + 1 >= self.full_every or self.keep_last == 1
-        if chain_full or self._reference_step == step:
+        if self._chain_full() or self._reference_step == step:
             return
         self._reference = None  # the earlier reference is done with: free it first
         self._reference = {key: tensor.detach().clone() for key, tensor in reference_map(state).items()}
