@@ -107,8 +107,9 @@ def main() -> None:
     parser.add_argument("--async", dest="async_save", action="store_true",
                         help="write checkpoint files on a background thread")
     args = parser.parse_args()
-    print(json.dumps(run(args.out, args.steps, args.stop_at, args.resume, args.policy,
-                         async_save=args.async_save)))
+    summary = run(args.out, args.steps, args.stop_at, args.resume, args.policy, async_save=args.async_save)
+    if int(os.environ.get("RANK", "0")) == 0:  # one line: DDP ranks share stdout, their writes may interleave
+        print(json.dumps(summary), flush=True)
 
 
 if __name__ == "__main__":

@@ -126,7 +126,8 @@ def main() -> None:
     args = parser.parse_args()
     summary = run(args.out, args.epochs, args.resume, args.policy, args.use_async, wrap_async=args.wrap_async,
                   devices=args.devices)
-    print(json.dumps(summary))
+    if int(os.environ.get("RANK", "0")) == 0:  # one line: DDP ranks share stdout, their writes may interleave
+        print(json.dumps(summary), flush=True)
 
 
 if __name__ == "__main__":
