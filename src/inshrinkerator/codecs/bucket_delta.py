@@ -502,16 +502,12 @@ def decode_bucket_ids(
     alphabet = levels if direct else token_alphabet(levels)
     small = 0 < count < _SMALL_DECODE and (predicted is None or predicted.device.type == "cpu")
     if coder == SYMMETRIC:
-        values = decode_symmetric(view[cursor : cursor + coded_bytes], symbol_count)
-        if small:  # the same checks and sums in NumPy (int64, remainders of the divisor's sign)
-            distances = values.numpy()
-            if distances.size and int(np.abs(distances).max()) > levels // 2:
-                raise CorruptCheckpointError(f"bucket-id stream: a symmetric value lies beyond half of {levels} levels")
-            symbols = torch.from_numpy((distances + run_symbol) % levels)
-        else:
-            if values.numel() and int(values.abs().max()) > levels // 2:
-                raise CorruptCheckpointError(f"bucket-id stream: a symmetric value lies beyond half of {levels} levels")
-            symbols = (values + run_symbol) % levels
+        # In NumPy (int64, remainders of the divisor's sign, as torch's): a symmetric stream
+        # is short (the coder takes up to _SYMMETRIC_UP_TO ids) and always on the CPU.
+        distances = decode_symmetric(view[cursor : cursor + coded_bytes], symbol_count).numpy()
+        if distances.size and int(np.abs(distances).max()) > levels // 2:
+            raise CorruptCheckpointError(f"bucket-id stream: a symmetric value lies beyond half of {levels} levels")
+        symbols = torch.from_numpy((distances + run_symbol) % levels)
     else:
         symbols = decode_id_symbols(view[cursor : cursor + coded_bytes], coder, symbol_count, alphabet)
     dtype = id_dtype(levels)
