@@ -11,7 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import inshrinkerator as ink
-from inshrinkerator.integrations._keyframes import KEYFRAME_DIR, KeyframeStore
+from inshrinkerator.integrations import _keyframes as keyframes_module
+from inshrinkerator.integrations._keyframes import KEYFRAME_DIR, KeyframeStore, keyframe_of
+from inshrinkerator.single_file import open_container
 from tests.helpers import assert_same
 
 
@@ -108,3 +110,102 @@ def test_missing_checkpoint_is_not_found(tmp_path: Path) -> None:
 def test_full_every_is_checked(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="full_every"):
         KeyframeStore(tmp_path, "lossless", full_every=0)
+
+
+def _keyframe_named_by(path: Path) -> str:
+    with open_container(str(path)) as reader:
+        return str(keyframe_of(reader))
+
+
+@pytest.mark.parametrize("policy", ["lossless", "dynaquant"])
+def test_a_new_store_goes_on_with_the_keyframe_of_a_checkpoint_it_loads(tmp_path: Path, policy: str) -> None:
+    first = KeyframeStore(tmp_path / KEYFRAME_DIR, policy, full_every=10)
+    for step in range(3):
+        first.save(_state(step), tmp_path / f"{step}.ckpt")
+    (keyframe,) = _keyframes(tmp_path / KEYFRAME_DIR)
+    resumed = KeyframeStore(tmp_path / KEYFRAME_DIR, policy, full_every=10)  # a restarted process
+    loaded = resumed.load(tmp_path / "2.ckpt")
+    infos = [resumed.save(_state(step), tmp_path / f"{step}.ckpt") for step in (3, 4)]
+    assert _keyframes(tmp_path / KEYFRAME_DIR) == [keyframe]  # no second full checkpoint
+    assert all(_keyframe_named_by(tmp_path / f"{step}.ckpt") == keyframe for step in (3, 4))
+    fresh = KeyframeStore(tmp_path / KEYFRAME_DIR)
+    for step in range(5):
+        restored = fresh.load(tmp_path / f"{step}.ckpt")
+        if policy == "lossless":
+            assert_same(restored, _state(step))
+        else:  # the deltas stay against the keyframe as decoded: no error adds up
+            error = (restored["model"]["w"] - _state(step)["model"]["w"]).norm() / _state(step)["model"]["w"].norm()
+            assert error < 0.05
+            assert restored["step"] == step and torch.equal(restored["rng"], _state(step)["rng"])
+    # Against a new keyframe the first save would have stored a full checkpoint too.
+    fresh_keyframe = KeyframeStore(tmp_path / "elsewhere" / KEYFRAME_DIR, policy).save(
+        _state(3), tmp_path / "elsewhere" / "3.ckpt")
+    assert infos[0].stored_bytes < fresh_keyframe.stored_bytes
+    assert_same(loaded, fresh.load(tmp_path / "2.ckpt"))
+
+
+def test_a_taken_over_keyframe_is_not_changed_by_training_the_loaded_state(tmp_path: Path) -> None:
+    KeyframeStore(tmp_path / KEYFRAME_DIR, "lossless").save(_state(0), tmp_path / "a.ckpt")
+    resumed = KeyframeStore(tmp_path / KEYFRAME_DIR, "lossless")
+    state = resumed.load(tmp_path / "a.ckpt")
+    state["model"]["w"].add_(1.0)  # an optimizer updates what it loaded in place
+    state["model"]["b"].mul_(3.0).add_(2.0)
+    resumed.save(state, tmp_path / "b.ckpt")
+    state["model"]["w"].add_(1.0)
+    resumed.save(state, tmp_path / "c.ckpt")
+    fresh = KeyframeStore(tmp_path / KEYFRAME_DIR)
+    assert_same(fresh.load(tmp_path / "a.ckpt"), _state(0))
+    expected = _state(0)
+    expected["model"]["w"].add_(1.0)
+    expected["model"]["b"].mul_(3.0).add_(2.0)
+    assert_same(fresh.load(tmp_path / "b.ckpt"), expected)
+    expected["model"]["w"].add_(1.0)
+    assert_same(fresh.load(tmp_path / "c.ckpt"), expected)
+
+
+def test_a_taken_over_keyframe_counts_the_saves_it_had_towards_full_every(tmp_path: Path) -> None:
+    KeyframeStore(tmp_path / KEYFRAME_DIR, "lossless", full_every=3).save(_state(0), tmp_path / "0.ckpt")
+    store = KeyframeStore(tmp_path / KEYFRAME_DIR, "lossless", full_every=3)
+    store.save(_state(1), tmp_path / "1.ckpt")  # a store that saves first makes its own keyframe
+    assert len(_keyframes(tmp_path / KEYFRAME_DIR)) == 2
+    resumed = KeyframeStore(tmp_path / KEYFRAME_DIR, "lossless", full_every=3)
+    resumed.load(tmp_path / "1.ckpt")
+    (tmp_path / "0.ckpt").unlink()  # its keyframe is no longer needed
+    resumed.save(_state(2), tmp_path / "2.ckpt")  # 2nd against 1.ckpt's keyframe; the other is collected
+    assert _keyframes(tmp_path / KEYFRAME_DIR) == [_keyframe_named_by(tmp_path / "1.ckpt")]
+    resumed.save(_state(3), tmp_path / "3.ckpt")  # 3rd
+    resumed.save(_state(4), tmp_path / "4.ckpt")  # the 4th would exceed full_every: a new keyframe
+    assert _keyframe_named_by(tmp_path / "3.ckpt") == _keyframe_named_by(tmp_path / "1.ckpt")
+    assert _keyframe_named_by(tmp_path / "4.ckpt") != _keyframe_named_by(tmp_path / "1.ckpt")
+
+
+def test_a_checkpoint_without_a_recorded_count_counts_the_checkpoints_of_its_keyframe(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(keyframes_module, "_SAVES_KEY", "unrecorded")  # as files written before the count
+    old = KeyframeStore(tmp_path / KEYFRAME_DIR, "lossless", full_every=3)
+    for step in range(2):
+        old.save(_state(step), tmp_path / f"{step}.ckpt")
+    monkeypatch.undo()
+    resumed = KeyframeStore(tmp_path / KEYFRAME_DIR, "lossless", full_every=3)
+    resumed.load(tmp_path / "1.ckpt")
+    resumed.save(_state(2), tmp_path / "2.ckpt")  # the 3rd against it
+    resumed.save(_state(3), tmp_path / "3.ckpt")
+    assert _keyframe_named_by(tmp_path / "2.ckpt") == _keyframe_named_by(tmp_path / "0.ckpt")
+    assert _keyframe_named_by(tmp_path / "3.ckpt") != _keyframe_named_by(tmp_path / "0.ckpt")
+
+
+def test_a_store_keeps_its_own_keyframe_and_never_takes_one_from_another_folder(tmp_path: Path) -> None:
+    other = tmp_path / "other"
+    KeyframeStore(other / KEYFRAME_DIR, "lossless").save(_state(0), other / "a.ckpt")
+    here = KeyframeStore(tmp_path / KEYFRAME_DIR, "lossless")
+    assert_same(here.load(other / "a.ckpt"), _state(0))  # loadable, but another run's keyframe
+    here.save(_state(1), tmp_path / "b.ckpt")
+    assert len(_keyframes(tmp_path / KEYFRAME_DIR)) == 1
+    assert _keyframe_named_by(tmp_path / "b.ckpt") != _keyframe_named_by(other / "a.ckpt")
+    # A store that already has a keyframe goes on with it after loading an older checkpoint.
+    KeyframeStore(tmp_path / KEYFRAME_DIR, "lossless").save(_state(2), tmp_path / "c.ckpt")
+    here.load(tmp_path / "c.ckpt")
+    here.save(_state(3), tmp_path / "d.ckpt")
+    assert _keyframe_named_by(tmp_path / "d.ckpt") == _keyframe_named_by(tmp_path / "b.ckpt")
+    assert_same(KeyframeStore(tmp_path / KEYFRAME_DIR).load(tmp_path / "d.ckpt"), _state(3))

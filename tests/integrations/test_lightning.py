@@ -26,7 +26,7 @@ from tests.integrations.conftest import (  # noqa: E402
     run_torchrun,
     tolerance,
 )
-from tests.integrations.test_keyframes import _state
+from tests.integrations.test_keyframes import _keyframe_named_by, _state
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +54,8 @@ def test_resume_ends_where_the_uninterrupted_run_ends(tmp_path: Path, policy: st
                         wrap_async=policy != "lossless")
     assert first["global_step"] < uninterrupted["global_step"]
     assert len(first["checkpoints"]) == 2  # save_top_k deleted the older ones
+    resumed_from = max(tmp_path.glob("*.ckpt"), key=lambda path: path.stat().st_mtime)
+    keyframe = _keyframe_named_by(resumed_from)
     if policy == "lossless":  # a real restart; lossy policies resume in this process (time budget)
         resumed = _resume_in_new_process(tmp_path, policy)
     else:
@@ -65,6 +67,9 @@ def test_resume_ends_where_the_uninterrupted_run_ends(tmp_path: Path, policy: st
     for name in resumed["checkpoints"]:
         restored = io.load_checkpoint(tmp_path / name)
         assert "state_dict" in restored and "optimizer_states" in restored
+        # 2 + 2 saves under full_every=4: the resumed run went on with the loaded keyframe.
+        assert _keyframe_named_by(tmp_path / name) == keyframe
+    assert [p.stem for p in (tmp_path / KEYFRAME_DIR).glob("*.ink")] == [keyframe]
     print(f"lightning digits [{policy}]: {len(resumed['checkpoints'])} checkpoints + keyframes "
           f"{resumed['stored_bytes']} B; torch.save {uninterrupted['stored_bytes']} B")
 

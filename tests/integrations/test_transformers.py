@@ -23,6 +23,7 @@ from tests.integrations.conftest import (  # noqa: E402
     run_torchrun,
     tolerance,
 )
+from tests.integrations.test_keyframes import _keyframe_named_by  # noqa: E402
 
 PICKLED = ("model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "training_args.bin")
 
@@ -41,6 +42,7 @@ def test_resume_ends_where_the_uninterrupted_run_ends(tmp_path: Path, policy: st
     assert not list(tmp_path.rglob(PENDING_FILE))
     assert first["global_step"] == 7
     assert first["checkpoints"] == ["checkpoint-3", "checkpoint-6"]
+    keyframe = _keyframe_named_by(tmp_path / "checkpoint-6" / STATE_FILE)
     if policy == "lossless":  # a real restart; lossy policies resume in this process (time budget)
         finished = subprocess.run(
             [sys.executable, str(EXAMPLES / "hf_trainer_tiny.py"), "--out", str(tmp_path),
@@ -60,8 +62,10 @@ def test_resume_ends_where_the_uninterrupted_run_ends(tmp_path: Path, policy: st
         folder = tmp_path / name
         assert (folder / STATE_FILE).is_file() and (folder / "trainer_state.json").is_file()
         assert not any((folder / pickled).exists() for pickled in PICKLED)
-    # Both kept folders decode on their own, against the one keyframe that survived rotation.
-    assert len(list((tmp_path / ".ink-keyframes").glob("*.ink"))) == 1
+    # Both kept folders decode on their own, against the one keyframe that survived rotation:
+    # the resumed run went on with the keyframe of the checkpoint it resumed from.
+    assert [p.stem for p in (tmp_path / ".ink-keyframes").glob("*.ink")] == [keyframe]
+    assert all(_keyframe_named_by(tmp_path / name / STATE_FILE) == keyframe for name in resumed["checkpoints"])
     for name in resumed["checkpoints"]:
         state = KeyframeStore(tmp_path / ".ink-keyframes").load(tmp_path / name / STATE_FILE)
         assert {"model", "optimizer", "scheduler", "rng"} <= set(state)

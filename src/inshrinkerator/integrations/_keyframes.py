@@ -10,7 +10,9 @@ checkpoint refers to it. Whatever the framework deletes, every checkpoint it kee
 restores from its own file plus one keyframe.
 
 Deltas are taken against the keyframe as a reader will decode it (closed loop), so a
-lossy policy's error never accumulates.
+lossy policy's error never accumulates. A store that has not saved yet and loads a
+checkpoint of its own folder goes on with that checkpoint's keyframe (which the load has
+just decoded): a resumed run's first save is a delta, not a new full keyframe.
 
 Checkpoints and keyframes live in a local folder or behind an fsspec URL (``s3://``,
 ``memory://``, ...). Each file is written as ``ink.save`` writes one: under a temporary
@@ -49,6 +51,8 @@ KEYFRAME_DIR = ".ink-keyframes"
 #: The file in which a Hugging Face ``checkpoint-N`` folder of ``InkTrainer`` keeps its state.
 TRAINER_STATE_FILE = "inshrinkerator.ink"
 _META_KEY = "keyframe"
+#: How many saves, this one included, a checkpoint's keyframe had taken when it was written.
+_SAVES_KEY = "keyframe_saves"
 
 
 Where = Union[str, "os.PathLike[str]"]
@@ -163,6 +167,13 @@ def read_text(where: str) -> str:
         return bytes(fs.cat_file(path)).decode("utf-8")
 
 
+def _same_place(one: str, other: str) -> bool:
+    """Whether two locations name one file (local paths through their links)."""
+    if _is_url(one) or _is_url(other):
+        return one == other
+    return os.path.realpath(one) == os.path.realpath(other)
+
+
 def _ref_name(target: str) -> str:
     return hashlib.sha1(target.encode("utf-8")).hexdigest()[:20]
 
@@ -260,6 +271,9 @@ class KeyframeStore:
         self._reference: Optional[dict[str, torch.Tensor]] = None
         self._saves_since_keyframe = 0
         self._cached: tuple[Optional[str], Optional[dict[str, torch.Tensor]]] = (None, None)
+        # Keyframes an earlier process left unneeded go at this store's first keyframe; a
+        # store that took over a loaded keyframe deletes them at its first save instead.
+        self._collected = False
 
     # -- saving ---------------------------------------------------------------------------
 
@@ -276,10 +290,13 @@ class KeyframeStore:
             stored = 0
             if self._keyframe is None or self._saves_since_keyframe >= self.full_every:
                 stored += self._new_keyframe(state)
+            elif not self._collected:
+                self.collect()
             keyframe, reference = str(self._keyframe), self._reference
             self._saves_since_keyframe += 1
             self._add_ref(keyframe, target)
-        meta = {_META_KEY: keyframe, "keyframe_dir": relative(self.root, parent(target))}
+            meta = {_META_KEY: keyframe, "keyframe_dir": relative(self.root, parent(target)),
+                    _SAVES_KEY: self._saves_since_keyframe}
         written = _write_whole(
             target,
             lambda out: write_state(out, state, self.policy, reference, reference_name=keyframe, meta=meta),
@@ -310,7 +327,7 @@ class KeyframeStore:
         reference = {key: tensor.detach().clone() for key, tensor in written.reconstruction.items()}
         self._keyframe, self._reference = keyframe, reference
         self._saves_since_keyframe = 0
-        if old is not None:
+        if old is not None and self._collected:
             self._collect_one(old)
         else:  # this store's first keyframe: one left unneeded by an earlier process goes
             self.collect()
@@ -321,6 +338,10 @@ class KeyframeStore:
     def load(self, target: Union[str, "os.PathLike[str]"]) -> Any:
         """The state stored at ``target``.
 
+        A store that has no keyframe of its own yet (a new process) takes over the keyframe
+        of a checkpoint it loads from its own folder: the next saves are deltas against it,
+        counted from where that checkpoint left its keyframe towards ``full_every``.
+
         Raises:
             CheckpointNotFoundError: no file at ``target``.
             BrokenChainError: its keyframe is missing (deleted by hand).
@@ -328,7 +349,32 @@ class KeyframeStore:
         """
         source = location(target)
         with open_container(source) as reader:
-            return read_with_keyframe(reader, source, self._keyframe_reference)
+            state = read_with_keyframe(reader, source, self._keyframe_reference)
+            self._adopt(reader, source)
+        return state
+
+    def _adopt(self, reader: Any, source: str) -> None:
+        """Go on with the keyframe of the checkpoint just loaded from ``source``, if this store
+        has none and it is one of this store's: its decoded tensors are in the cache, taken
+        by no one else (the loaded state's tensors are decoded afresh), and they are the
+        keyframe as any reader decodes it, so deltas against them stay closed-loop."""
+        keyframe = keyframe_of(reader)
+        with self._lock:
+            if keyframe is None or self._keyframe is not None:
+                return
+            name, references = self._cached
+            if name != keyframe or references is None:
+                return
+            path = keyframe_path(reader, source)
+            if path is None or not _same_place(path, join(self.root, f"{keyframe}.ink")):
+                return
+            saves = reader.meta.get(_SAVES_KEY)
+            if isinstance(saves, bool) or not isinstance(saves, int) or saves < 1:
+                # Written before the count was recorded: at least its checkpoints still here.
+                saves = max(1, len(names_in(join(self.root, f"{keyframe}.refs"))))
+            self._keyframe, self._reference = keyframe, references
+            self._saves_since_keyframe = saves
+            self._cached = (None, None)
 
     def _keyframe_reference(self, keyframe: str, path: str, source: str) -> dict[str, torch.Tensor]:
         with self._lock:
@@ -356,6 +402,7 @@ class KeyframeStore:
         """Delete keyframes that no existing checkpoint refers to (after the framework deleted
         checkpoints itself, e.g. with ``shutil.rmtree``)."""
         with self._lock:
+            self._collected = True
             for name in names_in(self.root):
                 if name.endswith(".ink"):
                     self._collect_one(name[: -len(".ink")])
