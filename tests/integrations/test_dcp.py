@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
+import shutil
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 import inshrinkerator as ink
+from inshrinkerator.integrations._keyframes import KEYFRAME_DIR
 from inshrinkerator.integrations.dcp import (
     METADATA_FILE,
+    InkKeyframes,
     InkLoadPlanner,
     InkSavePlanner,
     InkStorageReader,
@@ -145,3 +150,88 @@ def test_round_trip_on_an_fsspec_store(store: str, request: pytest.FixtureReques
         assert_same(restored, state)
     finally:
         fs.rm(root, recursive=True)
+
+
+def _trained_states(count: int) -> list[dict]:
+    """A small model and its Adam state after 1, 2, ... ``count`` steps (copies)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    states = []
+    for step in range(count):
+        model(torch.randn(8, 32)).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        state = {"model": model.state_dict(), "optim": optimizer.state_dict(), "meta": {"step": step}}
+        states.append(copy.deepcopy(state))
+    return states
+
+
+def _load(folder: Path | str, like: dict) -> dict:
+    restored = _blank(like)
+    dcp.load(restored, storage_reader=InkStorageReader(folder), planner=InkLoadPlanner(), no_dist=True)
+    return restored
+
+
+@pytest.mark.parametrize("policy", policies_under_test())
+def test_checkpoints_with_keyframes_are_deltas_and_restore_on_their_own(tmp_path: Path, policy: str) -> None:
+    states = _trained_states(5)
+    keyframes = InkKeyframes(tmp_path, policy=policy, full_every=3)
+    stored, alone = [], []
+    for step, state in enumerate(states):
+        writer = InkStorageWriter(tmp_path / f"step-{step}", keyframes=keyframes)
+        dcp.save(state, storage_writer=writer, planner=InkSavePlanner(), no_dist=True)
+        stored.append(writer.last_info["stored_bytes"])
+        writer = InkStorageWriter(tmp_path / "alone" / f"step-{step}", policy=policy)
+        dcp.save(state, storage_writer=writer, planner=InkSavePlanner(), no_dist=True)
+        alone.append(writer.last_info["stored_bytes"])
+    folder = tmp_path / KEYFRAME_DIR / "__0"
+    assert len(list(folder.glob("*.ink"))) == 2  # steps 0-2 on one keyframe, 3-4 on the next
+    # A save that writes a keyframe pays for it; the ones after it store less than the
+    # same state stored on its own.
+    assert stored[0] > alone[0] and stored[3] > alone[3]
+    assert all(stored[step] < alone[step] for step in (1, 2, 4)), (stored, alone)
+    for step, state in enumerate(states):  # a reader needs nothing but the folder
+        restored = _load(tmp_path / f"step-{step}", state)
+        assert restored["meta"] == state["meta"]
+        assert restored["optim"]["param_groups"] == state["optim"]["param_groups"]
+        if policy == "lossless":
+            assert_same(restored, state)
+        else:  # against the keyframe as decoded: the error stays a quantizer's
+            for key, tensor in state["model"].items():
+                error = (restored["model"][key] - tensor).norm() / tensor.norm().clamp_min(1e-12)
+                assert error <= 0.5, key
+
+
+def test_keyframes_go_once_no_checkpoint_needs_them(tmp_path: Path) -> None:
+    states = _trained_states(4)
+    keyframes = InkKeyframes(tmp_path, policy="lossless", full_every=2)
+    for step, state in enumerate(states):
+        dcp.save(state, storage_writer=InkStorageWriter(tmp_path / f"step-{step}", keyframes=keyframes),
+                 planner=InkSavePlanner(), no_dist=True)
+    folder = tmp_path / KEYFRAME_DIR / "__0"
+    assert len(list(folder.glob("*.ink"))) == 2
+    for step in (0, 1):  # the run deletes its old checkpoints itself
+        shutil.rmtree(tmp_path / f"step-{step}")
+    keyframes.collect()
+    assert len(list(folder.glob("*.ink"))) == 1
+    assert_same(_load(tmp_path / "step-3", states[3]), states[3])
+    (keyframe,) = folder.glob("*.ink")
+    keyframe.unlink()
+    with pytest.raises(CheckpointException) as caught:  # DCP collects each rank's error
+        _load(tmp_path / "step-3", states[3])
+    (failure,) = caught.value.failures.values()
+    error = failure[0] if isinstance(failure, tuple) else failure
+    assert isinstance(error, ink.BrokenChainError) and keyframe.name in str(error)
+
+
+def test_keyframe_arguments_are_checked(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="full_every"):
+        InkKeyframes(tmp_path, full_every=0)
+    with pytest.raises(ValueError, match="policy to InkKeyframes"):
+        InkStorageWriter(tmp_path / "a", policy="lossless", keyframes=InkKeyframes(tmp_path))
+    with pytest.raises(TypeError, match="InkKeyframes"):
+        InkStorageWriter(tmp_path / "a", keyframes=str(tmp_path))  # type: ignore[arg-type]
+    with pytest.raises(CheckpointException):  # a checkpoint and its keyframes on two stores
+        dcp.save(_state(), storage_writer=InkStorageWriter("memory://elsewhere", keyframes=InkKeyframes(tmp_path)),
+                 planner=InkSavePlanner(), no_dist=True)

@@ -277,8 +277,13 @@ class KeyframeStore:
 
     # -- saving ---------------------------------------------------------------------------
 
-    def save(self, state: Any, target: Union[str, "os.PathLike[str]"], step: Optional[int] = None) -> SaveInfo:
+    def save(
+        self, state: Any, target: Union[str, "os.PathLike[str]"], step: Optional[int] = None,
+        meta: Optional[dict[str, Any]] = None,
+    ) -> SaveInfo:
         """Store ``state`` at ``target`` (replacing it) and return what was written.
+
+        ``meta``: more JSON entries for the file's header (the keyframe's own keys win).
 
         Raises:
             UnsupportedStateError: the state holds a value that cannot be stored.
@@ -295,7 +300,7 @@ class KeyframeStore:
             keyframe, reference = str(self._keyframe), self._reference
             self._saves_since_keyframe += 1
             self._add_ref(keyframe, target)
-            meta = {_META_KEY: keyframe, "keyframe_dir": relative(self.root, parent(target)),
+            meta = {**(meta or {}), _META_KEY: keyframe, "keyframe_dir": relative(self.root, parent(target)),
                     _SAVES_KEY: self._saves_since_keyframe}
         written = _write_whole(
             target,

@@ -16,6 +16,15 @@ the coordinator as the commit marker. Nothing is pickled: DCP's own metadata and
 non-tensor items are ``torch.save`` pickles, here the metadata is JSON and the planners
 carry non-tensor values as JSON too, so loading never unpickles. Chunks keep DCP's
 offsets, so a checkpoint loads onto a different sharding.
+
+Deltas across checkpoints: give every writer of a run one :class:`InkKeyframes`, made once
+per process. Each rank's file is then a delta against a keyframe of that rank's (a full
+checkpoint of its chunks, a new one every ``full_every`` saves) under
+``.ink-keyframes/__{rank}/`` of the keyframes' folder, deleted once no checkpoint needs it::
+
+    keyframes = InkKeyframes("ckpt", full_every=10)
+    dcp.save(state, storage_writer=InkStorageWriter("ckpt/step-200", keyframes=keyframes),
+             planner=InkSavePlanner())
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import dataclasses
 import io
 import json
 import os
+import threading
 import uuid
 from collections import defaultdict
 from typing import Any, Optional, Union
@@ -54,12 +64,13 @@ from torch.distributed.checkpoint.storage import WriteResult
 from ..codecs.base import dtype_from_name
 from ..errors import CheckpointNotFoundError, FormatError, UnsupportedStateError
 from ..policies import Policy
-from ..serialize import read_state, write_state
+from ..serialize import write_state
 from ..single_file import open_container
 from ..store import policy_or_default
 from ..tree import flatten, unflatten
+from ._keyframes import KEYFRAME_DIR, KeyframeStore, join, location, read_with_keyframe
 
-__all__ = ["InkStorageWriter", "InkStorageReader", "InkSavePlanner", "InkLoadPlanner", "METADATA_FILE"]
+__all__ = ["InkKeyframes", "InkStorageWriter", "InkStorageReader", "InkSavePlanner", "InkLoadPlanner", "METADATA_FILE"]
 
 #: The commit marker: a checkpoint folder without it was never finished.
 METADATA_FILE = ".metadata.json"
@@ -216,6 +227,69 @@ def _completed(value: Any) -> torch.futures.Future:
     return future
 
 
+# -- keyframes: deltas across checkpoints ---------------------------------------------------
+
+
+class InkKeyframes:
+    """The keyframes that make a run's DCP checkpoints deltas: one object per process,
+    handed to each :class:`InkStorageWriter` of the run.
+
+    Args:
+        folder: where the keyframes live (``folder/.ink-keyframes/__{rank}/``), usually the
+            folder that holds the checkpoint folders; a local path or an fsspec URL, on the
+            same store as the checkpoints.
+        policy: a policy name, spec or object for every shard (default: the manager's
+            default policy).
+        full_every: a rank writes a new keyframe every this many of its saves.
+
+    A rank's shard is stored against the keyframe as a reader decodes it (closed loop), so
+    a lossy policy's error does not add up from checkpoint to checkpoint. Each shard file
+    names its keyframe, and a reader finds it by itself: loading needs no
+    ``InkKeyframes``. A keyframe is deleted when a rank writes the next one, or at
+    :meth:`collect`, once no checkpoint file refers to it: call :meth:`collect` after
+    deleting old checkpoint folders. A process that starts again (a resumed run) writes a
+    new keyframe at its first save.
+    """
+
+    def __init__(
+        self, folder: Union[str, "os.PathLike[str]"], policy: Union[str, Policy, None] = None,
+        full_every: int = 10,
+    ) -> None:
+        if not isinstance(full_every, int) or isinstance(full_every, bool) or full_every < 1:
+            raise ValueError(f"full_every must be a positive int, got {full_every!r}")
+        self.folder = location(folder)
+        self.policy = policy_or_default(policy)
+        self.full_every = full_every
+        self._stores: dict[str, KeyframeStore] = {}
+        self._lock = threading.Lock()
+
+    def store(self, shard: str) -> KeyframeStore:
+        """The keyframe store of the rank that writes ``shard`` (``__{rank}.ink``)."""
+        if not _is_shard_name(shard):
+            raise ValueError(f"not a shard file name: {shard!r}")
+        with self._lock:
+            store = self._stores.get(shard)
+            if store is None:
+                root = join(self.folder, KEYFRAME_DIR, shard[: -len(".ink")])
+                store = KeyframeStore(root, self.policy, self.full_every)
+                self._stores[shard] = store
+            return store
+
+    def collect(self) -> None:
+        """Delete this process's keyframes that no checkpoint file refers to any more."""
+        with self._lock:
+            stores = list(self._stores.values())
+        for store in stores:
+            store.collect()
+
+    def close(self) -> None:
+        """Stop: the next save writes a new keyframe; unneeded keyframes are deleted."""
+        with self._lock:
+            stores = list(self._stores.values())
+        for store in stores:
+            store.close()
+
+
 # -- storage --------------------------------------------------------------------------------
 
 
@@ -227,16 +301,24 @@ class InkStorageWriter(StorageWriter):
             may set it instead.
         policy: a policy name, spec (``"dynaquant:tolerance=0.01"``) or object (default:
             the manager's default policy).
+        keyframes: the run's :class:`InkKeyframes`: the shard is stored as a delta against
+            this rank's keyframe, with the keyframes' policy (then ``policy`` must be None).
 
     After a save, :attr:`last_shard` holds this rank's file name and :attr:`last_info`
-    its sizes (``raw_bytes``, ``stored_bytes``).
+    its sizes (``raw_bytes``, ``stored_bytes``; with keyframes, ``stored_bytes`` counts a
+    keyframe written by this save too).
     """
 
     def __init__(self, path: Union[str, "os.PathLike[str]", None] = None,
-                 policy: Union[str, Policy, None] = None) -> None:
+                 policy: Union[str, Policy, None] = None, keyframes: Optional[InkKeyframes] = None) -> None:
         super().__init__()
+        if keyframes is not None and not isinstance(keyframes, InkKeyframes):
+            raise TypeError(f"keyframes must be an InkKeyframes, got {type(keyframes).__name__}")
+        if keyframes is not None and policy is not None:
+            raise ValueError("with keyframes, give the policy to InkKeyframes (every shard of a run uses its policy)")
         self.path = os.fspath(path) if path is not None else None
-        self.policy = policy_or_default(policy)
+        self.keyframes = keyframes
+        self.policy = keyframes.policy if keyframes is not None else policy_or_default(policy)
         self.last_shard: Optional[str] = None
         self.last_info: dict[str, int] = {}
         self._is_coordinator = False
@@ -248,6 +330,11 @@ class InkStorageWriter(StorageWriter):
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if self.path is None:
             raise ValueError("InkStorageWriter needs a path (or dcp.save(checkpoint_id=...))")
+        if self.keyframes is not None and ("://" in self.path) != ("://" in self.keyframes.folder):
+            raise ValueError(
+                f"the checkpoint {self.path} and the keyframes {self.keyframes.folder} must be on one "
+                "store (both local paths, or both URLs)"
+            )
         self._is_coordinator = is_coordinator
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
@@ -283,6 +370,11 @@ class InkStorageWriter(StorageWriter):
                                        storage_data={"file": name, "key": key}))
         fs, root = fsspec.core.url_to_fs(self.path)
         fs.makedirs(root, exist_ok=True)
+        if self.keyframes is not None:
+            info = self.keyframes.store(name).save(shard, join(location(self.path), name), meta={"dcp_shard": name})
+            self.last_shard = name
+            self.last_info = {"raw_bytes": info.raw_bytes, "stored_bytes": info.stored_bytes}
+            return _completed(results)
         final = f"{root}/{name}"
         temporary = f"{root}/.{name}.{uuid.uuid4().hex[:8]}.tmp"
         try:
@@ -368,8 +460,9 @@ class InkStorageReader(StorageReader):
                 raise FormatError(f"{self.path}: no stored data for {_index_key(item.storage_index)}")
             by_file[place["file"]].append((item, place["key"]))
         for name, items in by_file.items():
-            with open_container(f"{self.path}/{name}") as reader:
-                shard = read_state(reader)
+            source = f"{self.path}/{name}"
+            with open_container(source) as reader:
+                shard = read_with_keyframe(reader, source)  # a shard of a plain checkpoint: as it is
             if not isinstance(shard, dict):
                 raise FormatError(f"{self.path}/{name}: not a DCP shard")
             self.shards_read.append(name)
