@@ -10,6 +10,10 @@ Run on the CPU with two processes::
 ``dcp.async_save``) and keeps training to the end: that is the uninterrupted run. ``resume``
 starts from scratch in new processes, loads the checkpoints and trains to the end. Each
 rank writes a JSON report under ``--out``; rank 0 prints the comparison.
+
+``--keyframes`` checkpoints at half of ``--save-at`` too, through one ``InkKeyframes`` per
+run: the first checkpoint writes each rank's keyframe, the second is a delta against it
+(the one the resume loads).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from inshrinkerator.integrations.dcp import (
+    InkKeyframes,
     InkLoadPlanner,
     InkSavePlanner,
     InkStorageReader,
@@ -77,6 +82,11 @@ def evaluate(model: torch.nn.Module) -> float:
     return loss.item() / dist.get_world_size()
 
 
+def folder_of(out: Path, mode: str, args: argparse.Namespace) -> str:
+    """The checkpoint folder the resume loads."""
+    return str(out / mode / f"step-{args.save_at}") if args.keyframes else str(out / f"{mode}-step-{args.save_at}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--phase", choices=["save", "resume"], required=True)
@@ -85,27 +95,37 @@ def main() -> None:
     parser.add_argument("--modes", default="ddp,fsdp")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--save-at", type=int, default=6)
+    parser.add_argument("--keyframes", action="store_true",
+                        help="checkpoint at half of --save-at too; the later checkpoint is a delta")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank, out = dist.get_rank(), Path(args.out)
     report: dict = {"rank": rank}
     for mode in args.modes.split(","):
         model, optimizer = build(mode)
-        folder = str(out / f"{mode}-step-{args.save_at}")
+        folder = folder_of(out, mode, args)
         if args.phase == "save":
-            train(model, optimizer, 0, args.save_at)
-            model_state, optim_state = get_state_dict(model, optimizer)
-            state = {"model": model_state, "optim": optim_state, "step": args.save_at}
-            writer = InkStorageWriter(folder, policy=args.policy)
-            if mode == "ddp":
-                dcp.save(state, storage_writer=writer, planner=InkSavePlanner())
-            else:
-                pending = dcp.async_save(state, storage_writer=writer, planner=InkSavePlanner())
-                (pending.upload_completion if hasattr(pending, "upload_completion") else pending).result()
+            keyframes = InkKeyframes(out / mode, policy=args.policy) if args.keyframes else None
+            saves = [args.save_at // 2, args.save_at] if args.keyframes else [args.save_at]
+            trained, stored = 0, []
+            for step in saves:
+                train(model, optimizer, trained, step)
+                trained = step
+                model_state, optim_state = get_state_dict(model, optimizer)
+                state = {"model": model_state, "optim": optim_state, "step": step}
+                writer = (InkStorageWriter(out / mode / f"step-{step}", keyframes=keyframes) if keyframes
+                          else InkStorageWriter(folder, policy=args.policy))
+                if mode == "ddp":
+                    dcp.save(state, storage_writer=writer, planner=InkSavePlanner())
+                else:
+                    pending = dcp.async_save(state, storage_writer=writer, planner=InkSavePlanner())
+                    (pending.upload_completion if hasattr(pending, "upload_completion") else pending).result()
+                stored.append(writer.last_info["stored_bytes"])
             # DCP's own format, for the size comparison.
             dcp.save(state, checkpoint_id=str(out / f"{mode}-default"))
             train(model, optimizer, args.save_at, args.steps)
-            report[mode] = {"shard": writer.last_shard, **writer.last_info, "final_loss": evaluate(model)}
+            report[mode] = {"shard": writer.last_shard, **writer.last_info, "stored_per_save": stored,
+                            "final_loss": evaluate(model)}
         else:
             model_state, optim_state = get_state_dict(model, optimizer)
             state = {"model": model_state, "optim": optim_state, "step": -1}
@@ -121,10 +141,12 @@ def main() -> None:
     if rank == 0 and args.phase == "resume":
         saved = json.loads((out / "save-rank0.json").read_text())
         for mode in args.modes.split(","):
-            ours = sum(p.stat().st_size for p in (out / f"{mode}-step-{args.save_at}").iterdir())
+            ours = sum(p.stat().st_size for p in Path(folder_of(out, mode, args)).iterdir())
             default = sum(p.stat().st_size for p in (out / f"{mode}-default").iterdir())
-            print(f"{mode}: stored {ours} B (DCP default {default} B); uninterrupted {saved[mode]['final_loss']:.6f}, "
-                  f"resumed {report[mode]['final_loss']:.6f}")
+            keyframes = out / mode / ".ink-keyframes"
+            extra = f" + keyframes {sum(p.stat().st_size for p in keyframes.rglob('*.ink'))} B" if args.keyframes else ""
+            print(f"{mode}: stored {ours} B{extra} (DCP default {default} B); uninterrupted "
+                  f"{saved[mode]['final_loss']:.6f}, resumed {report[mode]['final_loss']:.6f}")
     dist.destroy_process_group()
 
 

@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import inshrinkerator as ink
-from inshrinkerator.integrations._keyframes import KEYFRAME_DIR
+from inshrinkerator.integrations._keyframes import KEYFRAME_DIR, keyframe_of
 from inshrinkerator.integrations.dcp import (
     METADATA_FILE,
     InkKeyframes,
@@ -24,6 +24,7 @@ from inshrinkerator.integrations.dcp import (
     InkStorageReader,
     InkStorageWriter,
 )
+from inshrinkerator.single_file import open_container
 from tests.helpers import assert_same
 from tests.integrations.conftest import policies_under_test, run_torchrun, tolerance
 
@@ -97,10 +98,12 @@ def test_an_unfinished_or_foreign_checkpoint_is_a_clear_error(tmp_path: Path) ->
 
 @pytest.mark.skipif(sys.platform == "win32", reason="torchrun with gloo")
 def test_torchrun_two_ranks_each_write_and_restore_their_own_shard(tmp_path: Path) -> None:
-    """DDP (replicated) and FSDP2 (sharded, saved with dcp.async_save), 2 ranks on gloo;
-    the resume runs in new processes and must end where the uninterrupted run ended."""
+    """DDP (replicated) and FSDP2 (sharded, saved with dcp.async_save), 2 ranks on gloo,
+    checkpoints at steps 3 and 6 through InkKeyframes (step 6 a delta against each rank's
+    keyframe); the resume runs in new processes and must end where the uninterrupted run ended."""
     for phase in ("save", "resume"):
-        done = run_torchrun("dcp_torchrun.py", "--out", str(tmp_path), "--policy", "lossless", "--phase", phase)
+        done = run_torchrun("dcp_torchrun.py", "--out", str(tmp_path), "--policy", "lossless", "--phase", phase,
+                            "--keyframes")
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     print(done.stdout.strip())
     for rank in (0, 1):
@@ -108,21 +111,26 @@ def test_torchrun_two_ranks_each_write_and_restore_their_own_shard(tmp_path: Pat
         resumed = json.loads((tmp_path / f"resume-rank{rank}.json").read_text())
         for mode in ("ddp", "fsdp"):
             assert saved[mode]["shard"] == f"__{rank}.ink"
-            assert (tmp_path / f"{mode}-step-6" / f"__{rank}.ink").stat().st_size > 0
+            shard = tmp_path / mode / "step-6" / f"__{rank}.ink"
+            with open_container(str(shard)) as reader:  # a delta against this rank's keyframe
+                (keyframe,) = (tmp_path / mode / KEYFRAME_DIR / f"__{rank}").glob("*.ink")
+                assert keyframe_of(reader) == keyframe.stem
+            first, second = saved[mode]["stored_per_save"]
+            assert second < first  # the first save paid for the keyframe
             assert resumed[mode]["step"] == 6
             loss, reference = resumed[mode]["final_loss"], saved[mode]["final_loss"]
             assert abs(loss - reference) <= tolerance("lossless") * reference
         for mode in ("ddp", "fsdp"):
             assert f"__{rank}.ink" in resumed[mode]["shards_read"]
     # FSDP2: each weight's row-shard lives in the file of the rank that owned it.
-    storage = json.loads((tmp_path / "fsdp-step-6" / METADATA_FILE).read_text())["storage"]
+    storage = json.loads((tmp_path / "fsdp" / "step-6" / METADATA_FILE).read_text())["storage"]
     weights = {key: place["file"] for key, place in storage.items() if key.startswith("model.")}
     assert weights and set(weights.values()) == {"__0.ink", "__1.ink"}
     for key, file in weights.items():
         first_offset = int(key.split("@")[1].split(",")[0])
         assert file == ("__0.ink" if first_offset == 0 else "__1.ink"), key
     for mode in ("ddp", "fsdp"):
-        names = sorted(p.name for p in (tmp_path / f"{mode}-step-6").iterdir())
+        names = sorted(p.name for p in (tmp_path / mode / "step-6").iterdir())
         assert names == [METADATA_FILE, "__0.ink", "__1.ink"]
 
 
@@ -235,3 +243,41 @@ def test_keyframe_arguments_are_checked(tmp_path: Path) -> None:
     with pytest.raises(CheckpointException):  # a checkpoint and its keyframes on two stores
         dcp.save(_state(), storage_writer=InkStorageWriter("memory://elsewhere", keyframes=InkKeyframes(tmp_path)),
                  planner=InkSavePlanner(), no_dist=True)
+
+
+def test_a_shard_keeps_optimizer_moments_where_a_policy_sees_them(tmp_path: Path) -> None:
+    """get_state_dict keys the optimizer state by parameter names; the shard keeps each
+    value at its place, so DynaQuant stores second moments as second moments (positive)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for _ in range(3):
+        model(torch.randn(8, 32)).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.save(state, storage_writer=InkStorageWriter(tmp_path, policy="dynaquant"), planner=InkSavePlanner(),
+             no_dist=True)
+    shard = ink.load(tmp_path / "__0.ink")
+    assert set(shard["optim"]["state"]["0.weight"]) == {"exp_avg", "exp_avg_sq", "step"}
+    restored = _load(tmp_path, state)
+    for name, entry in state["optim"]["state"].items():
+        second, back = entry["exp_avg_sq"], restored["optim"]["state"][name]["exp_avg_sq"]
+        assert bool(((back > 0) | (second == 0)).all()), name  # Adam divides by its root
+        assert torch.equal(restored["optim"]["state"][name]["step"], entry["step"])
+    assert restored["optim"]["param_groups"] == state["optim"]["param_groups"]
+
+
+def test_a_shard_written_flat_still_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from inshrinkerator.integrations import dcp as dcp_module
+
+    monkeypatch.setattr(dcp_module, "_shard_state", lambda entries, paths: (dict(entries), None))
+    state = _state()
+    dcp.save(state, storage_writer=InkStorageWriter(tmp_path, policy="lossless"), planner=InkSavePlanner(),
+             no_dist=True)
+    monkeypatch.undo()
+    assert "model.0.weight@0,0" in ink.load(tmp_path / "__0.ink")  # as shards were written before
+    assert_same(_load(tmp_path, state), state)

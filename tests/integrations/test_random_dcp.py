@@ -4,7 +4,9 @@ The states of ``tests/policies/random_states.py`` (random models, dtypes, optimi
 damage between saves) saved in one process by ``dcp.save`` under a random policy and
 loaded by ``dcp.load`` into a blank state of the same structure: the same checks as the
 run's random-state test (structure and plain values exact, non-finite values in place,
-DynaQuant's errors within its bounds, lossless exact).
+DynaQuant's errors within its bounds, lossless exact). The last state alone, or (with
+``keyframes`` > 0) every state of the run, each a checkpoint of its own, through one
+``InkKeyframes`` with that ``full_every``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from inshrinkerator.integrations.dcp import (
+    InkKeyframes,
     InkLoadPlanner,
     InkSavePlanner,
     InkStorageReader,
@@ -47,6 +50,7 @@ class Shot:
     scenario: Scenario
     policy: str
     variants: tuple[str, ...]
+    keyframes: int
 
 
 def blank(state: Any) -> Any:
@@ -75,19 +79,27 @@ def blank(state: Any) -> Any:
 @fuzz_settings(30)
 @given(shot=st.builds(
     Shot, scenarios(), st.sampled_from(POLICIES),
-    variant_lists(),
+    variant_lists(), st.sampled_from([0, 0, 1, 2, 3]),
 ))
 def test_random_states_through_dcp(shot: Shot, tmp_path_factory: Any) -> None:
     folder: Path = tmp_path_factory.mktemp("dcp")
     trainer = Trainer(shot.scenario)
-    states = [trainer.train(plan) for plan in shot.scenario.saves]
-    state = states[-1]
-    dcp.save(state, storage_writer=InkStorageWriter(folder, policy=policy_named(shot.policy, shot.variants)), planner=InkSavePlanner(),
-             no_dist=True)
-    restored = blank(state)
-    dcp.load(restored, storage_reader=InkStorageReader(folder), planner=InkLoadPlanner(), no_dist=True)
-    if shot.policy == "lossless":
-        assert identical(state, restored)
-        return
-    found = problems(state, restored, bounded=shot.policy == "dynaquant" and "evaluate" not in shot.variants)
-    assert found == [], found
+    policy = policy_named(shot.policy, shot.variants)
+    keyframes = InkKeyframes(folder, policy=policy, full_every=shot.keyframes) if shot.keyframes else None
+    saved = []
+    for index, plan in enumerate(shot.scenario.saves):
+        state = trainer.train(plan)
+        if keyframes is None and index < len(shot.scenario.saves) - 1:
+            continue
+        target = folder / f"step-{index}"
+        writer = InkStorageWriter(target, keyframes=keyframes) if keyframes else InkStorageWriter(target, policy=policy)
+        dcp.save(state, storage_writer=writer, planner=InkSavePlanner(), no_dist=True)
+        saved.append((target, clone(state)))
+    for target, state in saved:
+        restored = blank(state)
+        dcp.load(restored, storage_reader=InkStorageReader(target), planner=InkLoadPlanner(), no_dist=True)
+        if shot.policy == "lossless":
+            assert identical(state, restored)
+            continue
+        found = problems(state, restored, bounded=shot.policy == "dynaquant" and "evaluate" not in shot.variants)
+        assert found == [], (target.name, found)

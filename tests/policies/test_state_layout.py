@@ -281,3 +281,66 @@ def test_param_group_option_is_read_per_optimizer_entry() -> None:
     assert param_group_option(state, leaves, "no such option") == {}
     del state["optimizer"]["param_groups"]
     assert param_group_option(state, leaves, "betas") == {}
+
+
+def _named_state() -> dict:
+    """A model and its AdamW state as ``torch.distributed.checkpoint``'s ``get_state_dict``
+    returns them: the optimizer state keyed by parameter names, not ids."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
+    optimizer = torch.optim.AdamW(
+        [{"params": [model[0].weight, model[2].weight], "weight_decay": 0.1},
+         {"params": [model[0].bias, model[2].bias], "weight_decay": 0.0, "betas": (0.8, 0.95)}], lr=1e-3)
+    model(torch.randn(4, 32)).sum().backward()
+    optimizer.step()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optim": optim_state}
+
+
+def test_an_optimizer_state_keyed_by_parameter_names_has_its_roles_and_pairs() -> None:
+    state = _named_state()
+    assert set(state["optim"]["state"]) == {"0.weight", "2.weight", "0.bias", "2.bias"}  # names, not ids
+    roles, paired, _, _ = describe(state)
+    for name in ("0.weight", "0.bias", "2.weight", "2.bias"):
+        assert roles[f"model/{name}"] is R.WEIGHT
+        assert roles[f"optim/state/{name}/exp_avg"] is R.FIRST_MOMENT
+        assert roles[f"optim/state/{name}/exp_avg_sq"] is R.SECOND_MOMENT
+        assert roles[f"optim/state/{name}/step"] is R.OTHER
+        # The two biases have the same shape (64):
+        # the name decides, not the order.
+        assert paired[f"optim/state/{name}/exp_avg"] == f"model/{name}"
+        assert paired[f"optim/state/{name}/exp_avg_sq"] == f"model/{name}"
+    leaves = flatten(state).tensors
+    keys = [format_key_path(leaf.path) for leaf in leaves]
+    betas = param_group_option(state, leaves, "betas")
+    assert betas[keys.index("optim/state/2.bias/exp_avg_sq")] == (0.8, 0.95)
+    assert betas[keys.index("optim/state/2.weight/exp_avg_sq")] == (0.9, 0.999)
+
+
+def test_a_named_entry_needs_an_optimizer_entry_name_and_a_weight_of_its_name_and_shape() -> None:
+    weight = torch.randn(4, 4)
+    state = {"model": {"a": weight, "b": torch.randn(4, 4)},
+             "optim": {"state": {"a": {"exp_avg": torch.randn(4, 4), "exp_avg_sq": torch.rand(4, 4)},
+                                 "c": {"exp_avg": torch.randn(4, 4)},
+                                 "b": {"exp_avg": torch.randn(3, 4)}}},
+             "env": {"state": {"obs": {"mean": torch.randn(5)}}}}
+    roles, paired, _, _ = describe(state)
+    assert roles["optim/state/a/exp_avg"] is R.FIRST_MOMENT and paired["optim/state/a/exp_avg"] == "model/a"
+    assert roles["optim/state/a/exp_avg_sq"] is R.SECOND_MOMENT
+    assert paired["optim/state/c/exp_avg"] is None  # no weight of that name
+    assert paired["optim/state/b/exp_avg"] is None  # a weight of that name, another shape
+    assert roles["env/state/obs/mean"] is R.WEIGHT  # "mean" is no optimizer entry: a plain tensor
+
+
+def test_a_named_optimizer_state_keeps_its_second_moments_positive_under_dynaquant(tmp_path) -> None:
+    import inshrinkerator as ink
+
+    state = _named_state()
+    ink.save(state, tmp_path / "named.ink", policy="dynaquant")
+    restored = ink.load(tmp_path / "named.ink")
+    for name, entry in state["optim"]["state"].items():
+        second, back = entry["exp_avg_sq"], restored["optim"]["state"][name]["exp_avg_sq"]
+        assert bool(((back > 0) | (second == 0)).all()), name  # Adam divides by its root
+        assert torch.equal(restored["optim"]["state"][name]["step"], entry["step"])

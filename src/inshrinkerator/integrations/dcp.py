@@ -12,7 +12,9 @@
 
 Layout of a checkpoint folder: one ``__{rank}.ink`` per rank (that rank's tensor chunks,
 compressed by the policy, and its plain values), and ``.metadata.json``, written last by
-the coordinator as the commit marker. Nothing is pickled: DCP's own metadata and its
+the coordinator as the commit marker. A shard keeps each value at its place in the state
+dict (DCP's planner knows it), so a policy sees an optimizer's moments as moments, not as
+weights; the file's header maps each chunk to that place. Nothing is pickled: DCP's own metadata and its
 non-tensor items are ``torch.save`` pickles, here the metadata is JSON and the planners
 carry non-tensor values as JSON too, so loading never unpickles. Chunks keep DCP's
 offsets, so a checkpoint loads onto a different sharding.
@@ -221,6 +223,59 @@ def _is_shard_name(name: str) -> bool:
     return name.startswith("__") and name.endswith(".ink") and "/" not in name and "\\" not in name
 
 
+#: A shard's header entry: chunk key -> the place of its value in the shard's state.
+_PLACES_KEY = "dcp_places"
+
+
+def _shard_state(entries: list[tuple[str, Any]], item_paths: list[Any]) -> tuple[dict[str, Any], dict[str, list]]:
+    """A shard's values nested at their places in the state dict, and each chunk's place.
+
+    ``item_paths`` are the places DCP's planner flattened the items from (its ``mappings``;
+    None where it has none). A value goes there unless another chunk of this shard took the
+    place or the place does not fit; then it stays at the top level, under its chunk key
+    (which holds an ``@``, so it is no state dict's key)."""
+    state: dict[str, Any] = {}
+    places: dict[str, list] = {}
+    for (key, value), path in zip(entries, item_paths):
+        place = list(path) if isinstance(path, (list, tuple)) and path else None
+        if place is None or not all(isinstance(p, (str, int)) and not isinstance(p, bool) for p in place) or not _put(
+            state, place, value
+        ):
+            place = [key]
+            if not _put(state, place, value):
+                raise ValueError(f"DCP item {key} is in this shard twice")
+        places[key] = place
+    return state, places
+
+
+def _put(state: dict, place: list, value: Any) -> bool:
+    """Store ``value`` at ``place`` in the nested dicts of ``state``, if the place is free."""
+    node = state
+    for part in place[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            return False
+        node = child
+    if place[-1] in node:
+        return False
+    node[place[-1]] = value
+    return True
+
+
+def _at(state: Any, place: Any, where: str) -> Any:
+    """The value at ``place`` (from a shard's header) in a decoded shard's state."""
+    if not isinstance(place, list) or not place or not all(
+        isinstance(p, (str, int)) and not isinstance(p, bool) for p in place
+    ):
+        raise FormatError(f"{where}: bad place {str(place)[:80]}")
+    node = state
+    for part in place:
+        if not isinstance(node, dict) or part not in node:
+            raise FormatError(f"{where}: the shard holds nothing at {place}")
+        node = node[part]
+    return node
+
+
 def _completed(value: Any) -> torch.futures.Future:
     future: torch.futures.Future = torch.futures.Future()
     future.set_result(value)
@@ -354,24 +409,28 @@ class InkStorageWriter(StorageWriter):
                 "InkStorageWriter needs planner=InkSavePlanner(): DCP's default planner pickles "
                 "non-tensor values, which this checkpoint format refuses"
             )
-        shard: dict[str, Any] = {}
+        entries: list[tuple[str, Any]] = []
         results = []
         for item in plan.items:
             key = _index_key(item.index)
             data = planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:
-                shard[key] = data.getvalue()
-                size = len(shard[key])
+                value: Any = data.getvalue()
+                size = len(value)
             else:
-                tensor = data.detach()
-                shard[key] = tensor
-                size = tensor.numel() * tensor.element_size()
+                value = data.detach()
+                size = value.numel() * value.element_size()
+            entries.append((key, value))
             results.append(WriteResult(index=item.index, size_in_bytes=size,
                                        storage_data={"file": name, "key": key}))
+        mappings = getattr(planner, "mappings", None)
+        paths = [mappings.get(item.index.fqn) if isinstance(mappings, dict) else None for item in plan.items]
+        shard, places = _shard_state(entries, paths)
+        meta = {"dcp_shard": name, _PLACES_KEY: places}
         fs, root = fsspec.core.url_to_fs(self.path)
         fs.makedirs(root, exist_ok=True)
         if self.keyframes is not None:
-            info = self.keyframes.store(name).save(shard, join(location(self.path), name), meta={"dcp_shard": name})
+            info = self.keyframes.store(name).save(shard, join(location(self.path), name), meta=meta)
             self.last_shard = name
             self.last_info = {"raw_bytes": info.raw_bytes, "stored_bytes": info.stored_bytes}
             return _completed(results)
@@ -379,7 +438,7 @@ class InkStorageWriter(StorageWriter):
         temporary = f"{root}/.{name}.{uuid.uuid4().hex[:8]}.tmp"
         try:
             with fs.open(temporary, "wb") as out:
-                written = write_state(out, shard, self.policy, meta={"dcp_shard": name})
+                written = write_state(out, shard, self.policy, meta=meta)
             fs.mv(temporary, final)
         except BaseException:
             if fs.exists(temporary):
@@ -463,12 +522,16 @@ class InkStorageReader(StorageReader):
             source = f"{self.path}/{name}"
             with open_container(source) as reader:
                 shard = read_with_keyframe(reader, source)  # a shard of a plain checkpoint: as it is
-            if not isinstance(shard, dict):
-                raise FormatError(f"{self.path}/{name}: not a DCP shard")
+                places = reader.meta.get(_PLACES_KEY)
+            if not isinstance(shard, dict) or not isinstance(places, (dict, type(None))):
+                raise FormatError(f"{source}: not a DCP shard")
             self.shards_read.append(name)
             for item, key in items:
-                value = shard.get(key)
-                where = f"{self.path}/{name}: {key}"
+                where = f"{source}: {key}"
+                if places is None:  # written before shards kept their values' places
+                    value = shard.get(key)
+                else:
+                    value = _at(shard, places.get(key), where)
                 if item.type == LoadItemType.BYTE_IO:
                     if not isinstance(value, bytes):
                         raise FormatError(f"{where}: expected a plain value")

@@ -6,7 +6,10 @@ paths:
 
 - An *optimizer state entry* is a tensor at ``<root>/state/<id>/<name>`` (a
   ``torch.optim`` ``state_dict()`` anywhere in the state, ``<id>`` an int or a
-  digit string). Its role comes from its name (:data:`OPTIMIZER_ENTRY_ROLES`):
+  digit string; or a parameter's name, as ``torch.distributed.checkpoint``'s
+  ``get_state_dict`` keys the state, where ``<name>`` is one of
+  :data:`OPTIMIZER_ENTRY_ROLES`, ``step`` or a statistic :data:`EXACT_WITH` names).
+  Its role comes from its name (:data:`OPTIMIZER_ENTRY_ROLES`):
   a signed average of gradients (Adam's ``exp_avg``) is a
   :attr:`TensorRole.FIRST_MOMENT`; an average or sum of squared gradients
   (Adam's ``exp_avg_sq``, RMSprop's and Adadelta's ``square_avg``, Adagrad's
@@ -32,6 +35,9 @@ sit between parameters in a state dict; parameters without optimizer state leave
 gaps in the ids). If the matching runs out of weights, or two optimizers claim
 the same weight, that optimizer's entries stay unpaired: pairing only steers
 compression decisions, never correctness, so an unsure match is dropped.
+
+Entries keyed by a parameter's name pair with the one weight whose last key is that name
+and whose shape is theirs (``get_state_dict``'s model state is keyed by the same names).
 
 Given the optimizer's param groups (:func:`param_group_ids`, read from the state),
 each group's ids are matched in order on their own, among the weights no earlier group
@@ -123,17 +129,24 @@ class StateLayout:
         return [index for index, r in enumerate(self.roles) if r is role]
 
 
-def _optimizer_entry(path: KeyPath) -> Optional[tuple[KeyPath, int, str]]:
-    """``(root, id, name)`` when ``path`` is ``<root>/state/<id>/<name>``."""
+#: The entry names that mark ``<root>/state/<name of a parameter>/<name>`` as an optimizer's.
+_NAMED_ENTRY_NAMES = frozenset(OPTIMIZER_ENTRY_ROLES) | {"step"} | frozenset(EXACT_WITH)
+
+
+def _optimizer_entry(path: KeyPath) -> Optional[tuple[KeyPath, Union[int, str], str]]:
+    """``(root, id, name)`` when ``path`` is ``<root>/state/<id>/<name>``: ``id`` an int
+    (a digit string read as one) or, for the entry names of :data:`_NAMED_ENTRY_NAMES`, a
+    parameter's name."""
     if len(path) < 3 or path[-3] != "state" or not isinstance(path[-1], str):
         return None
     identifier: Union[str, int] = path[-2]
-    if isinstance(identifier, str):
-        if not identifier.isdigit():
-            return None
-        identifier = int(identifier)
     if isinstance(identifier, bool):
         return None
+    if isinstance(identifier, str):
+        if identifier.isdigit():
+            identifier = int(identifier)
+        elif not identifier or path[-1] not in _NAMED_ENTRY_NAMES:
+            return None
     return path[:-3], identifier, path[-1]
 
 
@@ -147,6 +160,25 @@ def optimizer_entry_name(path: KeyPath) -> Optional[str]:
 def _role_of_entry(name: str, tensor: torch.Tensor, exact: bool) -> TensorRole:
     role = OPTIMIZER_ENTRY_ROLES.get(name, TensorRole.OTHER)
     return role if tensor.dtype.is_floating_point and not exact else TensorRole.OTHER
+
+
+def _match_by_name(
+    entries: Mapping[str, dict[TensorRole, int]],
+    leaves: Sequence[TensorLeaf],
+    weights: list[int],
+) -> dict[str, int]:
+    """Parameter name -> the one weight leaf whose last key is that name and whose shape
+    is its entries' (a name without exactly one such weight is left out)."""
+    by_name: dict[str, list[int]] = {}
+    for index in weights:
+        by_name.setdefault(str(leaves[index].path[-1]) if leaves[index].path else "", []).append(index)
+    matched: dict[str, int] = {}
+    for name, moments in entries.items():
+        shapes = {tuple(leaves[i].tensor.shape) for i in moments.values()}
+        candidates = [w for w in by_name.get(name, []) if {tuple(leaves[w].tensor.shape)} == shapes]
+        if len(candidates) == 1:
+            matched[name] = candidates[0]
+    return matched
 
 
 def _match_in_order(
@@ -216,9 +248,11 @@ def _child(node: Any, key: Union[str, int]) -> Any:
     return None
 
 
-def _param_groups(state: Any, leaves: Sequence[TensorLeaf]) -> dict[KeyPath, list[Mapping]]:
+def _param_groups(state: Any, leaves: Sequence[TensorLeaf], names: bool = False) -> dict[KeyPath, list[Mapping]]:
     """Optimizer root -> its param groups, for every optimizer state in ``state`` (the state
-    ``leaves`` were flattened from) whose ``param_groups`` all have integer ``params`` lists."""
+    ``leaves`` were flattened from) whose ``param_groups`` all have integer ``params`` lists
+    (or, with ``names``, lists of integers or parameter names)."""
+    kinds = (int, str) if names else int
     roots = dict.fromkeys(entry[0] for entry in map(_optimizer_entry, (leaf.path for leaf in leaves)) if entry)
     found: dict[KeyPath, list[Mapping]] = {}
     for root in roots:
@@ -233,7 +267,7 @@ def _param_groups(state: Any, leaves: Sequence[TensorLeaf]) -> dict[KeyPath, lis
         ids = [group.get("params") if isinstance(group, Mapping) else None for group in groups]
         if all(
             isinstance(params, (list, tuple))
-            and all(isinstance(i, int) and not isinstance(i, bool) for i in params)
+            and all(isinstance(i, kinds) and not isinstance(i, bool) for i in params)
             for params in ids
         ):
             found[root] = list(groups)
@@ -250,9 +284,9 @@ def param_group_ids(state: Any, leaves: Sequence[TensorLeaf]) -> dict[KeyPath, l
 def param_group_option(state: Any, leaves: Sequence[TensorLeaf], option: str) -> dict[int, Any]:
     """Leaf index -> the value of ``option`` (e.g. ``"betas"``) in the param group holding
     that leaf's optimizer entry, for every optimizer state entry of ``state`` whose group
-    (as :func:`param_group_ids` reads them) has the option."""
-    values: dict[KeyPath, dict[int, Any]] = {}
-    for root, groups in _param_groups(state, leaves).items():
+    (as :func:`param_group_ids` reads them, or listing parameter names) has the option."""
+    values: dict[KeyPath, dict[Union[int, str], Any]] = {}
+    for root, groups in _param_groups(state, leaves, names=True).items():
         by_id = values.setdefault(root, {})
         for group in groups:
             if option in group:
@@ -277,9 +311,9 @@ def layout_of(
     in order across the whole optimizer.
     """
     roles: list[TensorRole] = []
-    roots: dict[KeyPath, dict[int, dict[TensorRole, int]]] = {}
+    roots: dict[KeyPath, dict[Union[int, str], dict[TensorRole, int]]] = {}
     entries = [_optimizer_entry(leaf.path) for leaf in leaves]
-    exact: dict[tuple[KeyPath, int], frozenset[str]] = {}
+    exact: dict[tuple[KeyPath, Union[int, str]], frozenset[str]] = {}
     for entry in entries:
         if entry is not None and entry[2] in EXACT_WITH:
             exact[entry[:2]] = exact.get(entry[:2], frozenset()) | EXACT_WITH[entry[2]]
@@ -307,15 +341,22 @@ def layout_of(
     parameter_of: list[Optional[int]] = [None] * len(leaves)
     by_weight: dict[int, dict[TensorRole, int]] = {}
     by_entry = {index: group for per_id in roots.values() for group in per_id.values() for index in group.values()}
-    matches: dict[KeyPath, dict[int, int]] = {}
+    matches: dict[KeyPath, dict[Union[int, str], int]] = {}
     for root, per_id in roots.items():
-        with_moments = {i: e for i, e in per_id.items() if e}
-        if param_groups is not None and root in param_groups:
-            matched = _match_by_group(with_moments, leaves, weights, param_groups[root], frozen)
-        else:
-            matched = _match_in_order(with_moments, leaves, weights)
-        if matched is not None:
-            matches[root] = matched
+        numbered = {i: e for i, e in per_id.items() if isinstance(i, int) and e}
+        named = {i: e for i, e in per_id.items() if isinstance(i, str) and e}
+        found: dict[Union[int, str], int] = dict(_match_by_name(named, leaves, weights))
+        if numbered:
+            if param_groups is not None and root in param_groups:
+                matched: Optional[dict[int, int]] = _match_by_group(numbered, leaves, weights, param_groups[root], frozen)
+            else:
+                matched = _match_in_order(numbered, leaves, weights)
+            if matched is None:
+                if not found:
+                    continue
+            else:
+                found.update(matched)
+        matches[root] = found
     claims = Counter(weight for matched in matches.values() for weight in matched.values())
     contested = {root for root, matched in matches.items() if any(claims[w] > 1 for w in matched.values())}
     for root, matched in matches.items():
