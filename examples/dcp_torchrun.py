@@ -13,7 +13,8 @@ rank writes a JSON report under ``--out``; rank 0 prints the comparison.
 
 ``--keyframes`` checkpoints at half of ``--save-at`` too, through one ``InkKeyframes`` per
 run: the first checkpoint writes each rank's keyframe, the second is a delta against it
-(the one the resume loads).
+(the one the resume loads). The resume then loads through its own ``InkKeyframes`` and
+checkpoints once more at the end, a delta against the keyframe it loaded.
 """
 
 from __future__ import annotations
@@ -129,12 +130,19 @@ def main() -> None:
         else:
             model_state, optim_state = get_state_dict(model, optimizer)
             state = {"model": model_state, "optim": optim_state, "step": -1}
-            reader = InkStorageReader(folder)
+            keyframes = InkKeyframes(out / mode, policy=args.policy) if args.keyframes else None
+            reader = InkStorageReader(folder, keyframes=keyframes)
             dcp.load(state, storage_reader=reader, planner=InkLoadPlanner())
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
             train(model, optimizer, state["step"], args.steps)
             report[mode] = {"shards_read": reader.shards_read, "step": state["step"],
                             "final_loss": evaluate(model)}
+            if keyframes is not None:  # goes on with the keyframe it loaded: a delta
+                model_state, optim_state = get_state_dict(model, optimizer)
+                writer = InkStorageWriter(out / mode / f"step-{args.steps}", keyframes=keyframes)
+                dcp.save({"model": model_state, "optim": optim_state, "step": args.steps}, storage_writer=writer,
+                         planner=InkSavePlanner())
+                report[mode]["stored_at_end"] = writer.last_info["stored_bytes"]
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.phase}-rank{rank}.json").write_text(json.dumps(report, indent=1))
     dist.barrier()

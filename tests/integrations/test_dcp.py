@@ -118,6 +118,10 @@ def test_torchrun_two_ranks_each_write_and_restore_their_own_shard(tmp_path: Pat
             first, second = saved[mode]["stored_per_save"]
             assert second < first  # the first save paid for the keyframe
             assert resumed[mode]["step"] == 6
+            # The resumed processes loaded through InkKeyframes and went on with the keyframe.
+            with open_container(str(tmp_path / mode / "step-12" / f"__{rank}.ink")) as reader:
+                assert keyframe_of(reader) == keyframe.stem
+            assert resumed[mode]["stored_at_end"] < first
             loss, reference = resumed[mode]["final_loss"], saved[mode]["final_loss"]
             assert abs(loss - reference) <= tolerance("lossless") * reference
         for mode in ("ddp", "fsdp"):
@@ -281,3 +285,25 @@ def test_a_shard_written_flat_still_loads(tmp_path: Path, monkeypatch: pytest.Mo
     monkeypatch.undo()
     assert "model.0.weight@0,0" in ink.load(tmp_path / "__0.ink")  # as shards were written before
     assert_same(_load(tmp_path, state), state)
+
+
+@pytest.mark.parametrize("take_over", [True, False])
+def test_a_resumed_run_goes_on_with_the_keyframe_it_loaded(tmp_path: Path, take_over: bool) -> None:
+    states = _trained_states(4)
+    first = InkKeyframes(tmp_path, policy="lossless", full_every=10)
+    for step in range(3):
+        dcp.save(states[step], storage_writer=InkStorageWriter(tmp_path / f"step-{step}", keyframes=first),
+                 planner=InkSavePlanner(), no_dist=True)
+    folder = tmp_path / KEYFRAME_DIR / "__0"
+    (keyframe,) = folder.glob("*.ink")
+    resumed = InkKeyframes(tmp_path, policy="lossless", full_every=10)  # a new process
+    restored = _blank(states[2])
+    reader = InkStorageReader(tmp_path / "step-2", keyframes=resumed if take_over else None)
+    dcp.load(restored, storage_reader=reader, planner=InkLoadPlanner(), no_dist=True)
+    assert_same(restored, states[2])
+    writer = InkStorageWriter(tmp_path / "step-3", keyframes=resumed)
+    dcp.save(states[3], storage_writer=writer, planner=InkSavePlanner(), no_dist=True)
+    with open_container(str(tmp_path / "step-3" / "__0.ink")) as shard:
+        assert (keyframe_of(shard) == keyframe.stem) is take_over
+    assert len(list(folder.glob("*.ink"))) == (1 if take_over else 2)
+    assert_same(_load(tmp_path / "step-3", states[3]), states[3])

@@ -352,11 +352,15 @@ class KeyframeStore:
             BrokenChainError: its keyframe is missing (deleted by hand).
             FormatError / CorruptCheckpointError: not a valid or an intact file.
         """
+        return self.read(target)[0]
+
+    def read(self, target: Union[str, "os.PathLike[str]"]) -> tuple[Any, dict[str, Any]]:
+        """:meth:`load`, and the file's header entries (``meta``) beside the state."""
         source = location(target)
         with open_container(source) as reader:
             state = read_with_keyframe(reader, source, self._keyframe_reference)
             self._adopt(reader, source)
-        return state
+            return state, dict(reader.meta)
 
     def _adopt(self, reader: Any, source: str) -> None:
         """Go on with the keyframe of the checkpoint just loaded from ``source``, if this store

@@ -276,6 +276,12 @@ def _at(state: Any, place: Any, where: str) -> Any:
     return node
 
 
+def _rank() -> int:
+    """This process's rank (0 without a process group)."""
+    distributed = torch.distributed
+    return distributed.get_rank() if distributed.is_available() and distributed.is_initialized() else 0
+
+
 def _completed(value: Any) -> torch.futures.Future:
     future: torch.futures.Future = torch.futures.Future()
     future.set_result(value)
@@ -303,7 +309,9 @@ class InkKeyframes:
     ``InkKeyframes``. A keyframe is deleted when a rank writes the next one, or at
     :meth:`collect`, once no checkpoint file refers to it: call :meth:`collect` after
     deleting old checkpoint folders. A process that starts again (a resumed run) writes a
-    new keyframe at its first save.
+    new keyframe at its first save, unless it loads through an
+    ``InkStorageReader(..., keyframes=keyframes)``: a rank that reads its own shard of a
+    checkpoint stored against a keyframe of these goes on with that keyframe.
     """
 
     def __init__(
@@ -464,12 +472,23 @@ class InkStorageWriter(StorageWriter):
 class InkStorageReader(StorageReader):
     """Reads a checkpoint written by :class:`InkStorageWriter`; never unpickles.
 
+    Args:
+        path: the checkpoint folder (or ``dcp.load(checkpoint_id=...)``).
+        keyframes: the run's :class:`InkKeyframes`, when the process goes on saving
+            through it: a rank that reads its own shard (``__{rank}.ink``), stored against
+            a keyframe of these, takes that keyframe over, so its next save is a delta
+            (not needed to read: a shard names its keyframe).
+
     After a load, :attr:`shards_read` lists the ``__{rank}.ink`` files this rank decoded.
     """
 
-    def __init__(self, path: Union[str, "os.PathLike[str]", None] = None) -> None:
+    def __init__(self, path: Union[str, "os.PathLike[str]", None] = None,
+                 keyframes: Optional[InkKeyframes] = None) -> None:
         super().__init__()
+        if keyframes is not None and not isinstance(keyframes, InkKeyframes):
+            raise TypeError(f"keyframes must be an InkKeyframes, got {type(keyframes).__name__}")
         self.path = os.fspath(path) if path is not None else None
+        self.keyframes = keyframes
         self.shards_read: list[str] = []
         self._storage: dict[str, dict[str, str]] = {}
 
@@ -518,11 +537,16 @@ class InkStorageReader(StorageReader):
             if place is None:
                 raise FormatError(f"{self.path}: no stored data for {_index_key(item.storage_index)}")
             by_file[place["file"]].append((item, place["key"]))
+        own = f"__{_rank()}.ink"
         for name, items in by_file.items():
             source = f"{self.path}/{name}"
-            with open_container(source) as reader:
-                shard = read_with_keyframe(reader, source)  # a shard of a plain checkpoint: as it is
-                places = reader.meta.get(_PLACES_KEY)
+            if self.keyframes is not None and name == own:
+                shard, meta = self.keyframes.store(name).read(source)
+                places = meta.get(_PLACES_KEY)
+            else:
+                with open_container(source) as reader:
+                    shard = read_with_keyframe(reader, source)  # a shard of a plain checkpoint: as it is
+                    places = reader.meta.get(_PLACES_KEY)
             if not isinstance(shard, dict) or not isinstance(places, (dict, type(None))):
                 raise FormatError(f"{source}: not a DCP shard")
             self.shards_read.append(name)
