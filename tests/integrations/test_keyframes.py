@@ -209,3 +209,21 @@ def test_a_store_keeps_its_own_keyframe_and_never_takes_one_from_another_folder(
     here.save(_state(3), tmp_path / "d.ckpt")
     assert _keyframe_named_by(tmp_path / "d.ckpt") == _keyframe_named_by(tmp_path / "b.ckpt")
     assert_same(KeyframeStore(tmp_path / KEYFRAME_DIR).load(tmp_path / "d.ckpt"), _state(3))
+
+
+def test_a_next_keyframe_starts_a_new_chain_unless_a_checkpoint_was_just_loaded(tmp_path: Path) -> None:
+    from tests.store.test_manager import _ChainCounting
+
+    policy = _ChainCounting()
+    store = KeyframeStore(tmp_path / KEYFRAME_DIR, policy, full_every=2)
+    for step in range(3):  # keyframes at the first and third saves
+        store.save(_state(step), tmp_path / f"{step}.ckpt")
+    assert policy.new_chains == 1  # the third; not the store's first
+    store.save(_state(3), tmp_path / "3.ckpt")
+    store.load(tmp_path / "3.ckpt")  # restored values: the next keyframe keeps what it chose
+    store.save(_state(4), tmp_path / "4.ckpt")
+    assert policy.new_chains == 1
+    store.save(_state(5), tmp_path / "5.ckpt")
+    store.save(_state(6), tmp_path / "6.ckpt")
+    assert policy.new_chains == 2
+    assert len(_keyframes(tmp_path / KEYFRAME_DIR)) >= 2

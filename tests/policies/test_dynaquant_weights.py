@@ -694,7 +694,7 @@ def test_a_frozen_weight_is_not_recoded_at_every_delta() -> None:
     assert size(delta[trained]) > 0.2 * size(full[trained])
 
 
-def test_precision_only_grows_between_checkpoints() -> None:
+def test_precision_only_grows_between_checkpoints_until_a_new_chain() -> None:
     model, states = trained_states(2)
     policy = DynaQuant()
     policy.watch(model)
@@ -714,6 +714,18 @@ def test_precision_only_grows_between_checkpoints() -> None:
     loose.plan(flat.tensors, [None] * len(flat.tensors))
     loose.plan(leaves, [None] * len(leaves))
     assert min(int(b) for b in loose.search_log[-1].config["tensors_by_bins"]) <= min(int(b) for b in second)
+    # A full checkpoint of a continuing run (new_chain: no restore since the last save) is
+    # searched as a new process's policy searches it, whatever the saves before chose.
+    policy.new_chain()
+    policy.plan(leaves, [None] * len(leaves))
+    fresh = DynaQuant()
+    fresh.watch(model)
+    fresh.plan(leaves, [None] * len(leaves))
+    assert policy.search_log[-1].kind == "guided"
+    assert policy.search_log[-1].config == fresh.search_log[-1].config
+    # It holds for that one plan only.
+    policy.plan(leaves, [None] * len(leaves))
+    assert policy.search_log[-1].kind != "guided"
 
 
 def test_a_layer_unfrozen_after_watch_has_its_movement_coded() -> None:

@@ -430,3 +430,30 @@ def test_async_saves_of_a_state_trained_in_place_restore_every_step(tmp_path, po
                     assert torch.equal(restored[key], tensor)
                 else:
                     assert float((restored[key] - tensor).norm()) <= 0.1 * float(tensor.norm()) + 1e-6
+
+
+class _ChainCounting(policies.Lossless):
+    """Lossless, counting the calls of ``new_chain``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.new_chains = 0
+
+    def new_chain(self) -> None:
+        self.new_chains += 1
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_continuing_run_starts_each_new_chain_afresh_but_not_after_a_load(tmp_path, async_save: bool) -> None:
+    policy = _ChainCounting()
+    states = [{"w": torch.full((64,), float(step))} for step in range(7)]
+    with CheckpointManager(tmp_path / "run", policy=policy, full_every=2, async_save=async_save) as manager:
+        kinds = [manager.save(step, states[step]).kind for step in range(4)]
+        assert kinds == ["full", "delta", "full", "delta"]
+        assert policy.new_chains == 1  # step 2; not the run's first save
+        manager.load(3)  # restored values in this process: the full checkpoint next keeps what it chose
+        assert manager.save(4, states[4]).kind == "full"
+        assert policy.new_chains == 1
+        manager.save(5, states[5])
+        assert manager.save(6, states[6]).kind == "full"  # of a training state again
+        assert policy.new_chains == 2

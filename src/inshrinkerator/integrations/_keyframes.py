@@ -274,6 +274,8 @@ class KeyframeStore:
         # Keyframes an earlier process left unneeded go at this store's first keyframe; a
         # store that took over a loaded keyframe deletes them at its first save instead.
         self._collected = False
+        # A checkpoint was loaded since the last save: the next state may hold restored values.
+        self._loaded = False
 
     # -- saving ---------------------------------------------------------------------------
 
@@ -294,10 +296,13 @@ class KeyframeStore:
             previous = self._keyframe_of(target) if exists(target) else None
             stored = 0
             if self._keyframe is None or self._saves_since_keyframe >= self.full_every:
+                if self._keyframe is not None and not self._loaded:
+                    self.policy.new_chain()  # a training state starts the next keyframe
                 stored += self._new_keyframe(state)
             elif not self._collected:
                 self.collect()
             keyframe, reference = str(self._keyframe), self._reference
+            self._loaded = False
             self._saves_since_keyframe += 1
             self._add_ref(keyframe, target)
             meta = {**(meta or {}), _META_KEY: keyframe, "keyframe_dir": relative(self.root, parent(target)),
@@ -360,6 +365,7 @@ class KeyframeStore:
         with open_container(source) as reader:
             state = read_with_keyframe(reader, source, self._keyframe_reference)
             self._adopt(reader, source)
+            self._loaded = True
             return state, dict(reader.meta)
 
     def _adopt(self, reader: Any, source: str) -> None:

@@ -55,6 +55,14 @@ class Policy(ABC):
         planned (``plan`` may run on a background thread later). A policy that watches a
         model updates its hooks here; the default does nothing."""
 
+    def new_chain(self) -> None:
+        """Called before a full checkpoint that goes on from this policy's own saves in the
+        same process (a manager's ``full_every``, a keyframe store's next keyframe): the
+        state is a training state, not values just restored from a checkpoint. A policy
+        that carries what it chose along a chain may start afresh here; not called for a
+        run's first save, after a load into the same manager or store, or when a kept step
+        is re-based. The default does nothing."""
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 

@@ -103,6 +103,8 @@ class _Memory:
     watched_steps: Optional[int] = None
     #: weight key -> the error its stored weights carry, which later deltas keep (carry_error)
     carried: CarriedErrors = field(default_factory=CarriedErrors)
+    #: the next plan is a full checkpoint of a continuing run (``new_chain``): searched afresh
+    chain_starts: bool = False
 
 
 def _check_grid(name: str, values: Any, kind: type, low: float, high: float) -> None:
@@ -160,11 +162,13 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
         stickiness: how far (in half-cells) an element may drift past its bucket before its
             id changes in a delta; more means smaller deltas and a little more error.
         neighbourhood: search radius around the previous best, in cube steps.
-        precision_only_grows: a later checkpoint never stores a weight with fewer bins than
-            the one before, nor searches more aggressive neighbours (Inshrinkerator's rule).
-            A restore bakes a checkpoint's error into the run; the next save quantizes the
+        precision_only_grows: a later checkpoint never stores a weight with fewer bins
+            than the one before, nor searches more aggressive neighbours (Inshrinkerator's
+            rule). A restore bakes a checkpoint's error into the run; the next save quantizes the
             restored (already quantized) values, which look easy, and going coarser then
-            adds new error on top: over the benchmark's 10 restores that compounded.
+            adds new error on top: over the benchmark's 10 restores that compounded. A full
+            checkpoint of a continuing run (:meth:`new_chain`) is searched afresh, as a new
+            process's policy would search it.
         moment_bins: non-zero levels of Adam's first moments (symmetric pairs around 0),
             k-means fitted, where ``first_moment_keep`` prunes them or with
             ``first_moment_error=None``.
@@ -450,6 +454,11 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
         """Average the gradients of watched layers unfrozen since the last save too."""
         self._memory.watch.hook_unfrozen()
 
+    def new_chain(self) -> None:
+        """The next save is a full checkpoint of a continuing run: its weights are searched
+        as a run's first are (no floors from ``precision_only_grows``, no warm start)."""
+        self._memory.chain_starts = True
+
     @property
     def search_log(self) -> list[SearchRecord]:
         """One record per save that searched (evaluations, seconds, chosen configuration)."""
@@ -473,6 +482,7 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
         param group holding that optimizer entry (read from the state by ``plan_state``;
         the joint moment mask is only used where they are known)."""
         betas = (group_options or {}).get("betas", {})
+        afresh, self._memory.chain_starts = self._memory.chain_starts, False
         codecs = Lossless().plan(leaves, references)
         watch = self._memory.watch
         watch.refresh()
@@ -507,7 +517,7 @@ class DynaQuant(ParamGroupPolicy, WeightPlanning, MomentPlanning):
         if shifted:
             leaves = [shifted.get(i, leaf) for i, leaf in enumerate(leaves)]
         change_stats: dict[int, EntropyStats] = {}
-        weights = self._plan_weights(leaves, references, layout, eligible, codecs, change_stats, refining)
+        weights = self._plan_weights(leaves, references, layout, eligible, codecs, change_stats, refining, afresh)
         # Small weights are rounded at a full checkpoint unless the large ones all stay exact
         # (nothing was feasible, or ``evaluate`` accepted no quantized point).
         large = [

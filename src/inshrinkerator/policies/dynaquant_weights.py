@@ -779,11 +779,13 @@ class WeightPlanning:
         codecs: list[Codec],
         change_stats: dict[int, EntropyStats],
         refining: dict[int, float],
+        afresh: bool = False,
     ) -> Optional["_WeightPlan"]:
         """The codec of each weight; ``change_stats`` gets the entropy figures of the weights
         stored as their change because no levels of their own keep them within budget.
         ``refining``: the weights whose delta codes a carried error away, with the squared
-        size of their training change (:meth:`_change_errors`)."""
+        size of their training change (:meth:`_change_errors`). ``afresh``: a full
+        checkpoint of a continuing run (``new_chain``), searched as a run's first."""
         indices = [i for i in layout.indices(TensorRole.WEIGHT) if eligible[i]]
         if not indices:
             return None
@@ -808,7 +810,15 @@ class WeightPlanning:
             lambda i: self._trial(leaves, layout, i), indices, [leaf_nbytes(leaves[i]) for i in indices]
         )))
         trials = {i: sketched[i] for i in indices}
-        init = {i: self._memory.centroids[keys[i]] for i in indices if keys[i] in self._memory.centroids}
+        # A full checkpoint of a continuing run is searched as a run's first: what the search
+        # remembers (its last point, each weight's bins as floors, warm-start centroids)
+        # serves the deltas of a chain. The floors guard values restored into the same
+        # process, which look easy (the manager does not call new_chain then, nor for a
+        # re-based step); kept at a continuing run's full checkpoints they made its second
+        # one larger than a new process's of the same state (a test model: 5,309 against
+        # 4,278 B; docs/dynaquant-measurements.md, *Full checkpoints searched afresh*).
+        whole = afresh and all(usable_reference(leaves[i].tensor, references[i]) is None for i in indices)
+        init = {} if whole else {i: self._memory.centroids[keys[i]] for i in indices if keys[i] in self._memory.centroids}
         budget = self.tolerance * (PROXY_SCALE if self.evaluate is None else 1.0)
         inflation = 1.0
         if self.stickiness > 0:
@@ -879,9 +889,10 @@ class WeightPlanning:
                     trials, leaves, self.bins, self.embedding_bins, self.prune, self.protect, budget / inflation,
                     self.evaluate, init, scales, caps,
                 )
-        point, metric, kind = cube.search(self._memory.best, self.neighbourhood, not self.precision_only_grows)
+        point, metric, kind = cube.search(None if whole else self._memory.best, self.neighbourhood,
+                                          not self.precision_only_grows)
         floors = {}
-        if self.precision_only_grows:
+        if self.precision_only_grows and not whole:
             floors = {i: self._memory.bins[keys[i]] for i in indices if keys[i] in self._memory.bins}
         refinements = cube.refine(point, metric, floors) if point is not None else 0
         record = SearchRecord(

@@ -188,6 +188,8 @@ class CheckpointManager:
         self._latest_depth = 0
         self._reference: Optional[dict[str, torch.Tensor]] = None
         self._reference_step: Optional[int] = None
+        #: a step was loaded since the last save: the next one may hold restored values
+        self._loaded = False
         #: fresh buffers for the next async snapshot, made by the worker after a save
         self._spare: Optional[SpareBuffers] = None
         self._writing = False
@@ -245,6 +247,9 @@ class CheckpointManager:
                 "and steps only grow (use a new run, or a higher step)"
             )
         base = latest if latest is not None and not self._chain_full() else None
+        if base is None and latest is not None and not self._loaded:
+            self._policy.new_chain()  # a training state starts the next chain, not restored values
+        self._loaded = False
         if self._worker is None:
             info = self._write_step(step, state, base, private=False)
             return SaveInfo(info.step, info.kind, info.raw_bytes, info.stored_bytes, info.ratio,
@@ -432,6 +437,7 @@ class CheckpointManager:
             chain, state = self._read_chain(step)
         if steps and step == steps[-1]:
             self._keep_as_reference(chain, state)
+        self._loaded = True
         return state
 
     def _read_chain(self, step: int) -> tuple[list[StepManifest], Any]:
