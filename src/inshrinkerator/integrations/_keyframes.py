@@ -167,6 +167,17 @@ def read_text(where: str) -> str:
         return bytes(fs.cat_file(path)).decode("utf-8")
 
 
+def checked_full_every(full_every: Any) -> int:
+    """``full_every`` if it is a positive int.
+
+    Raises:
+        ValueError: it is not.
+    """
+    if not isinstance(full_every, int) or isinstance(full_every, bool) or full_every < 1:
+        raise ValueError(f"full_every must be a positive int, got {full_every!r}")
+    return full_every
+
+
 def _same_place(one: str, other: str) -> bool:
     """Whether two locations name one file (local paths through their links)."""
     if _is_url(one) or _is_url(other):
@@ -261,11 +272,9 @@ class KeyframeStore:
         self, root: Union[str, "os.PathLike[str]"], policy: Union[str, Policy, None] = None,
         full_every: int = 10,
     ) -> None:
-        if not isinstance(full_every, int) or isinstance(full_every, bool) or full_every < 1:
-            raise ValueError(f"full_every must be a positive int, got {full_every!r}")
+        self.full_every = checked_full_every(full_every)
         self.root = location(root)
         self.policy = policy_or_default(policy)
-        self.full_every = full_every
         self._lock = threading.RLock()
         self._keyframe: Optional[str] = None
         self._reference: Optional[dict[str, torch.Tensor]] = None

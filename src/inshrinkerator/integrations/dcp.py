@@ -70,7 +70,14 @@ from ..serialize import write_state
 from ..single_file import open_container
 from ..store import policy_or_default
 from ..tree import flatten, unflatten
-from ._keyframes import KEYFRAME_DIR, KeyframeStore, join, location, read_with_keyframe
+from ._keyframes import (
+    KEYFRAME_DIR,
+    KeyframeStore,
+    checked_full_every,
+    join,
+    location,
+    read_with_keyframe,
+)
 
 __all__ = ["InkKeyframes", "InkStorageWriter", "InkStorageReader", "InkSavePlanner", "InkLoadPlanner", "METADATA_FILE"]
 
@@ -318,11 +325,9 @@ class InkKeyframes:
         self, folder: Union[str, "os.PathLike[str]"], policy: Union[str, Policy, None] = None,
         full_every: int = 10,
     ) -> None:
-        if not isinstance(full_every, int) or isinstance(full_every, bool) or full_every < 1:
-            raise ValueError(f"full_every must be a positive int, got {full_every!r}")
+        self.full_every = checked_full_every(full_every)
         self.folder = location(folder)
         self.policy = policy_or_default(policy)
-        self.full_every = full_every
         self._stores: dict[str, KeyframeStore] = {}
         self._lock = threading.Lock()
 
