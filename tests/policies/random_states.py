@@ -121,6 +121,7 @@ class Scenario:
     async_save: bool = False
     keep_last: Optional[int] = None  # retention: older steps deleted, chains rebased
     in_memory: bool = False  # the run in fsspec's memory:// store instead of a local folder
+    named: bool = False  # the state as get_state_dict returns it: the optimizer's keyed by parameter names
 
 
 def scenarios() -> st.SearchStrategy[Scenario]:
@@ -149,6 +150,7 @@ def scenarios() -> st.SearchStrategy[Scenario]:
         async_save=st.booleans(),
         keep_last=st.sampled_from([None, None, 1, 2, 3]),
         in_memory=st.sampled_from([False, False, True]),
+        named=st.sampled_from([False, False, True]),
     )
 
 
@@ -288,8 +290,23 @@ class Trainer:
             self.step += 1
         if plan.damage is not None:
             apply_damage(plan.damage, self.model, self.optimizer)
-        return {"model": clone(self.model.state_dict()), "optimizer": clone(self.optimizer.state_dict()),
-                "step": self.step}
+        optimizer_state = self.optimizer.state_dict()
+        if self.scenario.named:
+            optimizer_state = named_optimizer_state(self.model, self.optimizer, optimizer_state)
+        return {"model": clone(self.model.state_dict()), "optimizer": clone(optimizer_state), "step": self.step}
+
+
+def named_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` (the optimizer's ``state_dict()``) keyed by parameter names, as
+    ``torch.distributed.checkpoint``'s ``get_state_dict`` keys it (which refuses some of
+    these models: frozen parameters, no state yet)."""
+    names = {id(parameter): name for name, parameter in model.named_parameters()}
+    order = [names.get(id(parameter), f"unnamed.{i}")
+             for i, parameter in enumerate(p for group in optimizer.param_groups for p in group["params"])]
+    return {
+        "state": {order[int(identifier)]: entry for identifier, entry in state["state"].items()},
+        "param_groups": [{**group, "params": [order[i] for i in group["params"]]} for group in state["param_groups"]],
+    }
 
 
 def run_through_manager(scenario: Scenario, folder: str, policy: Optional[str] = None) -> dict[int, tuple[Any, Any]]:
