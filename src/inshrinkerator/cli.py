@@ -62,6 +62,17 @@ def _is_run(path: str) -> bool:
     return is_run(path)
 
 
+def _is_dcp(path: str) -> bool:
+    """Whether ``path`` is a checkpoint folder of the DCP integration (``.metadata.json``)."""
+    if os.path.isfile(path) or ("://" not in path and not os.path.isdir(path)):
+        return False
+    try:
+        from .integrations.dcp import is_dcp_checkpoint
+    except ImportError:  # torch without torch.distributed
+        return False
+    return is_dcp_checkpoint(path)
+
+
 def _single_file(path: str) -> str:
     """``path``, or the state file inside it when it names an ``InkTrainer`` checkpoint folder."""
     from .integrations._keyframes import TRAINER_STATE_FILE
@@ -197,10 +208,44 @@ def _show_run_summary(path: str, entries: list[dict[str, Any]]) -> None:
         _show_classes("by tensor class, all steps (data only)", _class_sizes(total))
 
 
+def _dcp_summary(path: str) -> dict[str, Any]:
+    from .integrations.dcp import dcp_shards
+
+    shards = [_file_summary(f"{path.rstrip('/')}/{name}") for name in dcp_shards(path)]
+    raw, stored = sum(s["raw_bytes"] for s in shards), sum(s["stored_bytes"] for s in shards)
+    total = ClassBytes()
+    for shard in shards:
+        for name, sizes in shard["classes"].items():
+            total.raw[name] += sizes["raw_bytes"]
+            total.stored[name] += sizes["stored_bytes"]
+    return {"path": path, "format": "dcp", "shards": shards, "raw_bytes": raw, "stored_bytes": stored,
+            "ratio": raw / max(stored, 1), "classes": _class_sizes(total)}
+
+
+def _show_dcp_summary(summary: dict[str, Any]) -> None:
+    table = Table(title=f"DCP checkpoint {summary['path']}")
+    for column in ("shard", "kind", "keyframe", "raw", "stored", "ratio", "policy"):
+        table.add_column(column, justify="right" if column in ("raw", "stored", "ratio") else "left")
+    for shard in summary["shards"]:
+        table.add_row(
+            os.path.basename(shard["path"]), shard["kind"], os.path.basename(shard["keyframe"] or "") or "-",
+            human_bytes(shard["raw_bytes"]), human_bytes(shard["stored_bytes"]), f"{shard['ratio']:.2f}x",
+            str(shard["policy"]),
+        )
+    table.add_section()
+    table.add_row("all shards", "", "", human_bytes(summary["raw_bytes"]), human_bytes(summary["stored_bytes"]),
+                  f"{summary['ratio']:.2f}x", "")
+    _console.print(table)
+    _show_classes("by tensor class, all shards (data only)", summary["classes"])
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     if _is_run(args.path):
         entries = _run_summary(args.path, args.classes)
         _print_json(entries) if args.json else _show_run_summary(args.path, entries)
+    elif _is_dcp(args.path):
+        summary = _dcp_summary(args.path)
+        _print_json(summary) if args.json else _show_dcp_summary(summary)
     else:
         summary = _file_summary(_single_file(args.path))
         _print_json(summary) if args.json else _show_file_summary(summary)
@@ -243,6 +288,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
         from .store import verify_run
 
         problems = verify_run(args.path)
+    elif _is_dcp(args.path):
+        from .integrations.dcp import verify_dcp
+
+        problems = verify_dcp(args.path)
     else:
         problems = _verify_file(_single_file(args.path), args.base)
     ok = not problems
@@ -345,7 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
         return sub
 
     info = command("info", "show what a file or a run holds: sizes, kinds, ratios, policy")
-    info.add_argument("path", help="an .ink file or a run directory / URL")
+    info.add_argument("path", help="an .ink file, a run directory / URL or a DCP checkpoint folder")
     info.add_argument(
         "--classes", action="store_true",
         help="for a run: each step's bytes by tensor class too (reads every step's header; a file always shows them)",
@@ -353,7 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
     info.set_defaults(handler=cmd_info)
 
     verify = command("verify", "check every checksum and that everything restores (exit 1 on failure)")
-    verify.add_argument("path", help="an .ink file or a run directory / URL")
+    verify.add_argument("path", help="an .ink file, a run directory / URL or a DCP checkpoint folder")
     verify.add_argument("--base", help="the base a delta file was saved against")
     verify.set_defaults(handler=cmd_verify)
 

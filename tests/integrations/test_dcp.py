@@ -307,3 +307,40 @@ def test_a_resumed_run_goes_on_with_the_keyframe_it_loaded(tmp_path: Path, take_
         assert (keyframe_of(shard) == keyframe.stem) is take_over
     assert len(list(folder.glob("*.ink"))) == (1 if take_over else 2)
     assert_same(_load(tmp_path / "step-3", states[3]), states[3])
+
+
+def test_inshrink_info_and_verify_read_a_dcp_checkpoint_folder(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from inshrinkerator.cli import main
+
+    states = _trained_states(2)
+    keyframes = InkKeyframes(tmp_path, policy="dynaquant")
+    for step, state in enumerate(states):
+        dcp.save(state, storage_writer=InkStorageWriter(tmp_path / f"step-{step}", keyframes=keyframes),
+                 planner=InkSavePlanner(), no_dist=True)
+    folder = str(tmp_path / "step-1")
+    capsys.readouterr()
+    assert main(["info", "--json", folder]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    (shard,) = summary["shards"]
+    assert summary["format"] == "dcp" and shard["path"].endswith("__0.ink") and shard["kind"] == "delta"
+    assert shard["keyframe"] is not None and {"weights", "first_moment", "second_moment"} <= set(summary["classes"])
+    assert summary["stored_bytes"] == (tmp_path / "step-1" / "__0.ink").stat().st_size
+    assert main(["verify", folder]) == 0
+    # A damaged keyframe, a missing keyframe, a missing shard: each a failure that says where.
+    (keyframe,) = (tmp_path / KEYFRAME_DIR / "__0").glob("*.ink")
+    intact = keyframe.read_bytes()
+    damaged = bytearray(intact)
+    damaged[len(damaged) // 2] ^= 0x40
+    keyframe.write_bytes(bytes(damaged))
+    capsys.readouterr()
+    assert main(["verify", "--json", folder]) == 1
+    assert keyframe.name in " ".join(json.loads(capsys.readouterr().out)["problems"])
+    keyframe.unlink()
+    assert main(["verify", "--json", folder]) == 1
+    assert "keyframe" in " ".join(json.loads(capsys.readouterr().out)["problems"])
+    keyframe.write_bytes(intact)
+    assert main(["verify", folder]) == 0
+    (tmp_path / "step-1" / "__0.ink").unlink()
+    capsys.readouterr()
+    assert main(["verify", "--json", folder]) == 1
+    assert "__0.ink" in " ".join(json.loads(capsys.readouterr().out)["problems"])

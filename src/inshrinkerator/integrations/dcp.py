@@ -64,7 +64,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem, WriteIt
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ..codecs.base import dtype_from_name
-from ..errors import CheckpointNotFoundError, FormatError, UnsupportedStateError
+from ..errors import CheckpointNotFoundError, FormatError, InkError, UnsupportedStateError
 from ..policies import Policy
 from ..serialize import write_state
 from ..single_file import open_container
@@ -79,7 +79,10 @@ from ._keyframes import (
     read_with_keyframe,
 )
 
-__all__ = ["InkKeyframes", "InkStorageWriter", "InkStorageReader", "InkSavePlanner", "InkLoadPlanner", "METADATA_FILE"]
+__all__ = [
+    "InkKeyframes", "InkStorageWriter", "InkStorageReader", "InkSavePlanner", "InkLoadPlanner", "METADATA_FILE",
+    "is_dcp_checkpoint", "dcp_shards", "verify_dcp",
+]
 
 #: The commit marker: a checkpoint folder without it was never finished.
 METADATA_FILE = ".metadata.json"
@@ -586,3 +589,69 @@ class InkStorageReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Union[str, "os.PathLike[str]"]) -> bool:
         return isinstance(checkpoint_id, (str, os.PathLike))
+
+
+# -- inspection (inshrink info / verify on a checkpoint folder) -----------------------------
+
+
+def is_dcp_checkpoint(path: Union[str, "os.PathLike[str]"]) -> bool:
+    """Whether ``path`` is a folder holding a finished checkpoint of :class:`InkStorageWriter`
+    (its ``.metadata.json``)."""
+    fs, root = fsspec.core.url_to_fs(os.fspath(path))
+    try:
+        return bool(fs.isdir(root) and fs.isfile(f"{root.rstrip('/')}/{METADATA_FILE}"))
+    except OSError:
+        return False
+
+
+def dcp_shards(path: Union[str, "os.PathLike[str]"]) -> list[str]:
+    """The shard files (``__{rank}.ink``) the checkpoint at ``path`` stores its items in.
+
+    Raises:
+        CheckpointNotFoundError / FormatError: as :meth:`InkStorageReader.read_metadata`.
+    """
+    reader = InkStorageReader(path)
+    reader.read_metadata()
+    return sorted({place["file"] for place in reader._storage.values()})
+
+
+def verify_dcp(path: Union[str, "os.PathLike[str]"]) -> list[str]:
+    """Check a checkpoint folder of :class:`InkStorageWriter`: its metadata parses, every
+    shard it names is intact and decodes (against its keyframe, if any), and every item
+    the metadata stores is in its shard with the size the metadata gives. Returns the
+    problems found (empty: all good)."""
+    folder = os.fspath(path)
+    reader = InkStorageReader(folder)
+    try:
+        metadata = reader.read_metadata()
+    except InkError as error:
+        return [str(error)]
+    sizes = {}
+    for fqn, entry in metadata.state_dict_metadata.items():
+        if isinstance(entry, TensorStorageMetadata):
+            for chunk in entry.chunks:
+                sizes[_index_key(MetadataIndex(fqn, chunk.offsets))] = list(chunk.sizes)
+    problems: list[str] = []
+    by_file: dict[str, list[str]] = defaultdict(list)
+    for key, place in reader._storage.items():
+        by_file[place["file"]].append(place["key"])
+    for name, keys in sorted(by_file.items()):
+        source = f"{folder}/{name}"
+        try:
+            with open_container(source) as shard_reader:
+                shard_reader.verify()
+                shard = read_with_keyframe(shard_reader, source)
+                places = shard_reader.meta.get(_PLACES_KEY)
+            for key in keys:
+                where = f"{source}: {key}"
+                value = shard.get(key) if places is None and isinstance(shard, dict) else _at(
+                    shard, (places or {}).get(key), where
+                )
+                if value is None and places is None:
+                    raise FormatError(f"{where}: not in the shard")
+                if key in sizes and (not isinstance(value, torch.Tensor) or list(value.shape) != sizes[key]):
+                    raise FormatError(f"{where}: stored {getattr(value, 'shape', type(value).__name__)}, "
+                                      f"the metadata says {sizes[key]}")
+        except InkError as error:
+            problems.append(str(error))
+    return problems
