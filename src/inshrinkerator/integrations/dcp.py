@@ -597,10 +597,10 @@ class InkStorageReader(StorageReader):
 def is_dcp_checkpoint(path: Union[str, "os.PathLike[str]"]) -> bool:
     """Whether ``path`` is a folder holding a finished checkpoint of :class:`InkStorageWriter`
     (its ``.metadata.json``)."""
-    fs, root = fsspec.core.url_to_fs(os.fspath(path))
     try:
+        fs, root = fsspec.core.url_to_fs(os.fspath(path))
         return bool(fs.isdir(root) and fs.isfile(f"{root.rstrip('/')}/{METADATA_FILE}"))
-    except OSError:
+    except Exception:  # noqa: BLE001 - unreachable, unknown protocol...: not one; the caller's own open says why
         return False
 
 
