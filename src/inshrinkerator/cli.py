@@ -336,6 +336,12 @@ def cmd_decompress(args: argparse.Namespace) -> int:
 
         with CheckpointManager(args.input) as manager:
             state = manager.load(args.step)
+    elif _is_dcp(args.input):
+        from .integrations.dcp import read_dcp
+
+        if args.step is not None or args.base:
+            raise InkError(f"{args.input} is a DCP checkpoint folder: --step and --base do not apply")
+        state = read_dcp(args.input)
     else:
         if args.step is not None:
             raise InkError(f"{args.input} is a single file, not a run: --step does not apply")
@@ -416,8 +422,10 @@ def build_parser() -> argparse.ArgumentParser:
     compress.add_argument("--base", help="store deltas against this reference (.pt/.safetensors/.ink)")
     compress.set_defaults(handler=cmd_compress)
 
-    decompress = command("decompress", "write an .ink file or a run's step out as .pt or .safetensors")
-    decompress.add_argument("input", help="an .ink file or a run directory / URL")
+    decompress = command(
+        "decompress", "write an .ink file, a run's step or a DCP checkpoint folder out as .pt or .safetensors"
+    )
+    decompress.add_argument("input", help="an .ink file, a run directory / URL or a DCP checkpoint folder")
     decompress.add_argument("output", help="a .pt/.pth/.bin or .safetensors path")
     decompress.add_argument("--base", help="the base a delta file was saved against")
     decompress.add_argument("--step", type=int, help="the step of a run (default: the latest)")

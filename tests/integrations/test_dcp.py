@@ -23,6 +23,7 @@ from inshrinkerator.integrations.dcp import (
     InkSavePlanner,
     InkStorageReader,
     InkStorageWriter,
+    read_dcp,
 )
 from inshrinkerator.single_file import open_container
 from tests.helpers import assert_same
@@ -136,6 +137,16 @@ def test_torchrun_two_ranks_each_write_and_restore_their_own_shard(tmp_path: Pat
     for mode in ("ddp", "fsdp"):
         names = sorted(p.name for p in (tmp_path / mode / "step-6").iterdir())
         assert names == [METADATA_FILE, "__0.ink", "__1.ink"]
+        # Assembled from both ranks' chunks (FSDP2: row shards), as DCP's own format of the
+        # same state gives it (lossless here).
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        dcp_to_torch_save(str(tmp_path / f"{mode}-default"), str(tmp_path / f"{mode}-default.pt"))
+        theirs = torch.load(tmp_path / f"{mode}-default.pt", weights_only=True)
+        ours = read_dcp(tmp_path / mode / "step-6")
+        assert ours["step"] == theirs["step"] == 6
+        assert_same(ours["model"], theirs["model"])
+        assert_same(ours["optim"]["state"], theirs["optim"]["state"])
 
 
 _remote_folders = itertools.count()
@@ -344,3 +355,24 @@ def test_inshrink_info_and_verify_read_a_dcp_checkpoint_folder(tmp_path: Path, c
     capsys.readouterr()
     assert main(["verify", "--json", folder]) == 1
     assert "__0.ink" in " ".join(json.loads(capsys.readouterr().out)["problems"])
+
+
+def test_inshrink_decompress_writes_a_dcp_checkpoint_as_one_plain_file(tmp_path: Path) -> None:
+    from inshrinkerator.cli import main
+
+    states = _trained_states(2)
+    keyframes = InkKeyframes(tmp_path, policy="lossless")
+    for step, state in enumerate(states):
+        dcp.save(state, storage_writer=InkStorageWriter(tmp_path / f"step-{step}", keyframes=keyframes),
+                 planner=InkSavePlanner(), no_dist=True)
+    assert main(["decompress", str(tmp_path / "step-1"), str(tmp_path / "out.pt")]) == 0
+    restored = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert_same(restored["model"], dict(states[1]["model"]))  # a dict, not the OrderedDict it was
+    # DCP's planner records an optimizer's integer ids as strings (its own dcp_to_torch_save too).
+    assert_same(restored["optim"]["state"], {str(k): v for k, v in states[1]["optim"]["state"].items()})
+    assert restored["optim"]["param_groups"] == states[1]["optim"]["param_groups"]
+    assert restored["meta"] == states[1]["meta"]
+    assert main(["decompress", "--step", "3", str(tmp_path / "step-1"), str(tmp_path / "x.pt")]) == 1
+    (tmp_path / "step-1" / "__0.ink").unlink()
+    assert main(["decompress", str(tmp_path / "step-1"), str(tmp_path / "y.pt")]) == 1
+    assert not (tmp_path / "y.pt").exists()

@@ -81,7 +81,7 @@ from ._keyframes import (
 
 __all__ = [
     "InkKeyframes", "InkStorageWriter", "InkStorageReader", "InkSavePlanner", "InkLoadPlanner", "METADATA_FILE",
-    "is_dcp_checkpoint", "dcp_shards", "verify_dcp",
+    "is_dcp_checkpoint", "dcp_shards", "verify_dcp", "read_dcp",
 ]
 
 #: The commit marker: a checkpoint folder without it was never finished.
@@ -655,3 +655,66 @@ def verify_dcp(path: Union[str, "os.PathLike[str]"]) -> list[str]:
         except InkError as error:
             problems.append(str(error))
     return problems
+
+
+def read_dcp(path: Union[str, "os.PathLike[str]"]) -> dict[str, Any]:
+    """The whole state a checkpoint folder of :class:`InkStorageWriter` holds, each tensor
+    assembled from its chunks (whatever the sharding), nested as the saved state dict was:
+    what ``inshrink decompress`` writes as one plain file. Needs no process group.
+
+    Raises:
+        CheckpointNotFoundError / FormatError / CorruptCheckpointError / BrokenChainError:
+            the folder is no finished checkpoint, or a file is damaged or missing.
+    """
+    from torch.distributed.checkpoint._traverse import set_element
+
+    folder = os.fspath(path)
+    reader = InkStorageReader(folder)
+    metadata = reader.read_metadata()
+    storage = reader._storage
+    shards: dict[str, tuple[Any, Any]] = {}
+    for name in sorted({place["file"] for place in storage.values()}):
+        source = f"{folder}/{name}"
+        with open_container(source) as shard_reader:
+            shard = read_with_keyframe(shard_reader, source)
+            shards[name] = (shard, shard_reader.meta.get(_PLACES_KEY))
+
+    def stored(key: str) -> Any:
+        place = storage.get(key)
+        if place is None:
+            raise FormatError(f"{folder}: no stored data for {key}")
+        shard, places = shards[place["file"]]
+        where = f"{folder}/{place['file']}: {key}"
+        if places is None:
+            if not isinstance(shard, dict) or place["key"] not in shard:
+                raise FormatError(f"{where}: not in the shard")
+            return shard[place["key"]]
+        return _at(shard, places.get(place["key"]), where)
+
+    state: dict[str, Any] = {}
+    for fqn, entry in metadata.state_dict_metadata.items():
+        where = f"{folder}: item {fqn}"
+        if isinstance(entry, BytesStorageMetadata):
+            data = stored(_index_key(MetadataIndex(fqn)))
+            if not isinstance(data, bytes):
+                raise FormatError(f"{where}: expected a plain value")
+            value: Any = _value_from_json(data, where)
+        else:
+            value = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+            covered = 0
+            for chunk in entry.chunks:
+                part = stored(_index_key(MetadataIndex(fqn, chunk.offsets)))
+                if not isinstance(part, torch.Tensor) or list(part.shape) != list(chunk.sizes):
+                    raise FormatError(f"{where}: a stored chunk does not match its metadata")
+                target = value
+                for dim, (offset, length) in enumerate(zip(chunk.offsets, chunk.sizes)):
+                    if offset + length > target.shape[dim]:
+                        raise FormatError(f"{where}: a chunk lies outside the tensor")
+                    target = target.narrow(dim, offset, length)
+                target.copy_(part)
+                covered += part.numel()
+            if covered != value.numel():
+                raise FormatError(f"{where}: its chunks hold {covered} of its {value.numel()} values")
+        place = metadata.planner_data.get(fqn, (fqn,)) if isinstance(metadata.planner_data, dict) else (fqn,)
+        set_element(state, tuple(place), value)
+    return state
