@@ -376,3 +376,14 @@ def test_inshrink_decompress_writes_a_dcp_checkpoint_as_one_plain_file(tmp_path:
     (tmp_path / "step-1" / "__0.ink").unlink()
     assert main(["decompress", str(tmp_path / "step-1"), str(tmp_path / "y.pt")]) == 1
     assert not (tmp_path / "y.pt").exists()
+
+
+def test_a_forged_tensor_size_is_refused_before_anything_is_allocated(tmp_path: Path) -> None:
+    state = _state()
+    dcp.save(state, storage_writer=InkStorageWriter(tmp_path, policy="lossless"), planner=InkSavePlanner(),
+             no_dist=True)
+    document = json.loads((tmp_path / METADATA_FILE).read_text())
+    document["items"]["model.0.weight"]["size"] = [10**12, 10**6]  # terabytes, were it believed
+    (tmp_path / METADATA_FILE).write_text(json.dumps(document))
+    with pytest.raises(ink.FormatError, match="model.0.weight"):
+        read_dcp(tmp_path)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import math
 import os
 import threading
 import uuid
@@ -700,21 +701,27 @@ def read_dcp(path: Union[str, "os.PathLike[str]"]) -> dict[str, Any]:
                 raise FormatError(f"{where}: expected a plain value")
             value: Any = _value_from_json(data, where)
         else:
-            value = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
-            covered = 0
+            parts = []
             for chunk in entry.chunks:
                 part = stored(_index_key(MetadataIndex(fqn, chunk.offsets)))
-                if not isinstance(part, torch.Tensor) or list(part.shape) != list(chunk.sizes):
+                if (not isinstance(part, torch.Tensor) or list(part.shape) != list(chunk.sizes)
+                        or len(chunk.offsets) != len(entry.size)):
                     raise FormatError(f"{where}: a stored chunk does not match its metadata")
+                parts.append((chunk.offsets, part))
+            # Checked before anything is allocated: the chunks, which were decoded, must
+            # hold as many values as the tensor the metadata claims.
+            numel = math.prod(entry.size)
+            covered = sum(part.numel() for _, part in parts)
+            if covered != numel:
+                raise FormatError(f"{where}: its chunks hold {covered} of its {numel} values")
+            value = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+            for offsets, part in parts:
                 target = value
-                for dim, (offset, length) in enumerate(zip(chunk.offsets, chunk.sizes)):
+                for dim, (offset, length) in enumerate(zip(offsets, part.shape)):
                     if offset + length > target.shape[dim]:
                         raise FormatError(f"{where}: a chunk lies outside the tensor")
                     target = target.narrow(dim, offset, length)
-                target.copy_(part)
-                covered += part.numel()
-            if covered != value.numel():
-                raise FormatError(f"{where}: its chunks hold {covered} of its {value.numel()} values")
+                target.copy_(part.to(value.dtype))
         place = metadata.planner_data.get(fqn, (fqn,)) if isinstance(metadata.planner_data, dict) else (fqn,)
         set_element(state, tuple(place), value)
     return state
