@@ -171,6 +171,18 @@ def test_round_trip_on_an_fsspec_store(store: str, request: pytest.FixtureReques
         restored = _blank(state)
         dcp.load(restored, storage_reader=InkStorageReader(folder), planner=InkLoadPlanner(), no_dist=True)
         assert_same(restored, state)
+        # Deltas across checkpoints on the same store: keyframes beside them, found by readers.
+        states = _trained_states(3)
+        keyframes = InkKeyframes(f"{folder}/run", policy="lossless", full_every=2)
+        for step, each in enumerate(states):
+            dcp.save(each, storage_writer=InkStorageWriter(f"{folder}/run/step-{step}", keyframes=keyframes),
+                     planner=InkSavePlanner(), no_dist=True)
+        assert len(fs.ls(f"{root}/run/{KEYFRAME_DIR}/__0", detail=False)) >= 2  # keyframes and their refs
+        for step, each in enumerate(states):
+            assert_same(_load(f"{folder}/run/step-{step}", each), each)
+        fs.rm(f"{root}/run/step-0", recursive=True)
+        keyframes.collect()
+        assert_same(_load(f"{folder}/run/step-2", states[2]), states[2])
     finally:
         fs.rm(root, recursive=True)
 
