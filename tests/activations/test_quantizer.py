@@ -1,5 +1,6 @@
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
@@ -82,3 +83,20 @@ def test_a_bound_that_underflows_is_refused_not_divided_by() -> None:
     # subnormal activations: the bound, relative to their range, is 0 in float32
     x = torch.randn(100) * 1e-41
     assert quantize(x, 1e-6 * float(x.max() - x.min())) is None
+
+
+@pytest.mark.parametrize("dtype, peak", [(torch.float32, 3.1e38), (torch.float16, 65000.0), (torch.bfloat16, 3.3e38)])
+def test_a_bin_beyond_the_dtypes_largest_value_is_refused_not_stored_as_inf(dtype: torch.dtype, peak: float) -> None:
+    # Values near the dtype's largest under a bound a tenth of their range: the nearest bin
+    # of the extreme values lies past the largest value and would come back as inf.
+    x = (torch.linspace(-1, 1, 240, dtype=torch.float64) * peak).to(dtype)
+    assert bool(x.isfinite().all())
+    bound = 0.1 * (float(x.double().max()) - float(x.double().min()))
+    quantized = quantize(x, bound)
+    if quantized is not None:  # if it is stored, every value comes back finite, within the bound
+        back = quantized.decode()
+        assert bool(back.isfinite().all())
+        assert float((back.double() - x.double()).abs().max()) <= bound
+    # A bound whose bins all fit is still quantized, at the same magnitude.
+    small = quantize(x, 1e-3 * (float(x.double().max()) - float(x.double().min())))
+    assert small is not None and bool(small.decode().isfinite().all())

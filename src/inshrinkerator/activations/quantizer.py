@@ -144,8 +144,8 @@ def quantize(tensor: torch.Tensor, error_bound: float) -> Optional[QuantizedActi
     is needed; if that slack would eat half the bound, the result is verified instead.
 
     Returns ``None`` when the bound cannot be met (non-finite values, a bound below the
-    dtype's resolution at the tensor's magnitude, more bins than 32-bit codes hold): the
-    caller keeps the tensor then.
+    dtype's resolution at the tensor's magnitude, more bins than 32-bit codes hold, a bin
+    beyond the dtype's largest value): the caller keeps the tensor then.
     """
     if not tensor.is_floating_point() or not error_bound > 0 or not math.isfinite(error_bound):
         return None
@@ -162,6 +162,10 @@ def quantize(tensor: torch.Tensor, error_bound: float) -> Optional[QuantizedActi
     slack = peak * (torch.finfo(tensor.dtype).eps + 2 * torch.finfo(work).eps)
     step = 2.0 * (bound - slack) if slack < bound / 2 else bound
     if not step > 0 or peak / step >= _MAX_CODE - 2:  # a bound that underflowed the working dtype
+        return None
+    if peak + step > torch.finfo(tensor.dtype).max:
+        # The bin nearest a value within a step of the dtype's largest lies beyond it, and
+        # would come back as inf (float32 values of +-3e38 under a bound of 6e37).
         return None
     code_dtype = torch.int32 if peak / step < (1 << 29) else torch.int64
     nonnegative = low_value >= 0
