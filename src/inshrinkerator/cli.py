@@ -160,6 +160,16 @@ def _class_sizes(classes: ClassBytes) -> dict[str, dict[str, int]]:
     }
 
 
+def _summed_classes(summaries: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """The class split (``_class_sizes`` form) of several files or steps together."""
+    total = ClassBytes()
+    for summary in summaries:
+        for name, sizes in summary["classes"].items():
+            total.raw[name] += sizes["raw_bytes"]
+            total.stored[name] += sizes["stored_bytes"]
+    return _class_sizes(total)
+
+
 def _show_classes(title: str, classes: dict[str, dict[str, int]]) -> None:
     table = Table(title=title)
     for column in ("class", "raw", "stored", "ratio"):
@@ -200,12 +210,7 @@ def _show_run_summary(path: str, entries: list[dict[str, Any]]) -> None:
     table.add_row("all", "", "", human_bytes(raw), human_bytes(stored), f"{raw / max(stored, 1):.2f}x", "")
     _console.print(table)
     if entries and "classes" in entries[0]:
-        total = ClassBytes()
-        for e in entries:
-            for name, sizes in e["classes"].items():
-                total.raw[name] += sizes["raw_bytes"]
-                total.stored[name] += sizes["stored_bytes"]
-        _show_classes("by tensor class, all steps (data only)", _class_sizes(total))
+        _show_classes("by tensor class, all steps (data only)", _summed_classes(entries))
 
 
 def _dcp_summary(path: str) -> dict[str, Any]:
@@ -213,13 +218,8 @@ def _dcp_summary(path: str) -> dict[str, Any]:
 
     shards = [_file_summary(f"{path.rstrip('/')}/{name}") for name in dcp_shards(path)]
     raw, stored = sum(s["raw_bytes"] for s in shards), sum(s["stored_bytes"] for s in shards)
-    total = ClassBytes()
-    for shard in shards:
-        for name, sizes in shard["classes"].items():
-            total.raw[name] += sizes["raw_bytes"]
-            total.stored[name] += sizes["stored_bytes"]
     return {"path": path, "format": "dcp", "shards": shards, "raw_bytes": raw, "stored_bytes": stored,
-            "ratio": raw / max(stored, 1), "classes": _class_sizes(total)}
+            "ratio": raw / max(stored, 1), "classes": _summed_classes(shards)}
 
 
 def _show_dcp_summary(summary: dict[str, Any]) -> None:

@@ -68,7 +68,7 @@ from ..codecs.base import dtype_from_name
 from ..errors import CheckpointNotFoundError, FormatError, InkError, UnsupportedStateError
 from ..policies import Policy
 from ..serialize import write_state
-from ..single_file import open_container
+from ..single_file import _write_whole, open_container
 from ..store import policy_or_default
 from ..tree import flatten, unflatten
 from ._keyframes import (
@@ -238,6 +238,13 @@ def _is_shard_name(name: str) -> bool:
 _PLACES_KEY = "dcp_places"
 
 
+def _is_place(place: Any) -> bool:
+    """Whether ``place`` is a non-empty list of dict keys (str or int) in a shard's state."""
+    return isinstance(place, list) and bool(place) and all(
+        isinstance(part, (str, int)) and not isinstance(part, bool) for part in place
+    )
+
+
 def _shard_state(entries: list[tuple[str, Any]], item_paths: list[Any]) -> tuple[dict[str, Any], dict[str, list]]:
     """A shard's values nested at their places in the state dict, and each chunk's place.
 
@@ -248,10 +255,8 @@ def _shard_state(entries: list[tuple[str, Any]], item_paths: list[Any]) -> tuple
     state: dict[str, Any] = {}
     places: dict[str, list] = {}
     for (key, value), path in zip(entries, item_paths):
-        place = list(path) if isinstance(path, (list, tuple)) and path else None
-        if place is None or not all(isinstance(p, (str, int)) and not isinstance(p, bool) for p in place) or not _put(
-            state, place, value
-        ):
+        place = list(path) if isinstance(path, (list, tuple)) else None
+        if not _is_place(place) or not _put(state, place, value):
             place = [key]
             if not _put(state, place, value):
                 raise ValueError(f"DCP item {key} is in this shard twice")
@@ -273,13 +278,37 @@ def _put(state: dict, place: list, value: Any) -> bool:
     return True
 
 
-def _at(state: Any, place: Any, where: str) -> Any:
-    """The value at ``place`` (from a shard's header) in a decoded shard's state."""
-    if not isinstance(place, list) or not place or not all(
-        isinstance(p, (str, int)) and not isinstance(p, bool) for p in place
-    ):
+def _read_shard(source: str, store: Optional[KeyframeStore] = None, verify: bool = False) -> tuple[dict, Optional[dict]]:
+    """A shard's decoded state (against its keyframe, if it names one; through ``store``,
+    which may take that keyframe over) and its places (None: a shard written flat, before
+    shards kept their values' places). ``verify``: every checksum of the file first.
+
+    Raises:
+        FormatError: not a DCP shard; and what reading the file raises.
+    """
+    if store is not None:
+        shard, meta = store.read(source)
+    else:
+        with open_container(source) as reader:
+            if verify:
+                reader.verify()
+            shard, meta = read_with_keyframe(reader, source), reader.meta
+    places = meta.get(_PLACES_KEY)
+    if not isinstance(shard, dict) or not isinstance(places, (dict, type(None))):
+        raise FormatError(f"{source}: not a DCP shard")
+    return shard, places
+
+
+def _stored(shard: dict, places: Optional[dict], key: str, where: str) -> Any:
+    """The value a shard (from :func:`_read_shard`) holds for the chunk ``key``."""
+    if places is None:
+        if key not in shard:
+            raise FormatError(f"{where}: not in the shard")
+        return shard[key]
+    place = places.get(key)
+    if not _is_place(place):
         raise FormatError(f"{where}: bad place {str(place)[:80]}")
-    node = state
+    node: Any = shard
     for part in place:
         if not isinstance(node, dict) or part not in node:
             raise FormatError(f"{where}: the shard holds nothing at {place}")
@@ -446,23 +475,16 @@ class InkStorageWriter(StorageWriter):
         meta = {"dcp_shard": name, _PLACES_KEY: places}
         fs, root = fsspec.core.url_to_fs(self.path)
         fs.makedirs(root, exist_ok=True)
+        target = join(location(self.path), name)
+        # Written under a temporary name and moved into place, as every file here is.
         if self.keyframes is not None:
-            info = self.keyframes.store(name).save(shard, join(location(self.path), name), meta=meta)
-            self.last_shard = name
-            self.last_info = {"raw_bytes": info.raw_bytes, "stored_bytes": info.stored_bytes}
-            return _completed(results)
-        final = f"{root}/{name}"
-        temporary = f"{root}/.{name}.{uuid.uuid4().hex[:8]}.tmp"
-        try:
-            with fs.open(temporary, "wb") as out:
-                written = write_state(out, shard, self.policy, meta=meta)
-            fs.mv(temporary, final)
-        except BaseException:
-            if fs.exists(temporary):
-                fs.rm(temporary)
-            raise
+            info = self.keyframes.store(name).save(shard, target, meta=meta)
+            raw, stored = info.raw_bytes, info.stored_bytes
+        else:
+            written = _write_whole(target, lambda out: write_state(out, shard, self.policy, meta=meta))
+            raw, stored = written.raw_bytes, written.stored_bytes
         self.last_shard = name
-        self.last_info = {"raw_bytes": written.raw_bytes, "stored_bytes": written.stored_bytes}
+        self.last_info = {"raw_bytes": raw, "stored_bytes": stored}
         return _completed(results)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -549,22 +571,12 @@ class InkStorageReader(StorageReader):
         own = f"__{_rank()}.ink"
         for name, items in by_file.items():
             source = f"{self.path}/{name}"
-            if self.keyframes is not None and name == own:
-                shard, meta = self.keyframes.store(name).read(source)
-                places = meta.get(_PLACES_KEY)
-            else:
-                with open_container(source) as reader:
-                    shard = read_with_keyframe(reader, source)  # a shard of a plain checkpoint: as it is
-                    places = reader.meta.get(_PLACES_KEY)
-            if not isinstance(shard, dict) or not isinstance(places, (dict, type(None))):
-                raise FormatError(f"{source}: not a DCP shard")
+            store = self.keyframes.store(name) if self.keyframes is not None and name == own else None
+            shard, places = _read_shard(source, store)
             self.shards_read.append(name)
             for item, key in items:
                 where = f"{source}: {key}"
-                if places is None:  # written before shards kept their values' places
-                    value = shard.get(key)
-                else:
-                    value = _at(shard, places.get(key), where)
+                value = _stored(shard, places, key, where)
                 if item.type == LoadItemType.BYTE_IO:
                     if not isinstance(value, bytes):
                         raise FormatError(f"{where}: expected a plain value")
@@ -639,17 +651,10 @@ def verify_dcp(path: Union[str, "os.PathLike[str]"]) -> list[str]:
     for name, keys in sorted(by_file.items()):
         source = f"{folder}/{name}"
         try:
-            with open_container(source) as shard_reader:
-                shard_reader.verify()
-                shard = read_with_keyframe(shard_reader, source)
-                places = shard_reader.meta.get(_PLACES_KEY)
+            shard, places = _read_shard(source, verify=True)
             for key in keys:
                 where = f"{source}: {key}"
-                value = shard.get(key) if places is None and isinstance(shard, dict) else _at(
-                    shard, (places or {}).get(key), where
-                )
-                if value is None and places is None:
-                    raise FormatError(f"{where}: not in the shard")
+                value = _stored(shard, places, key, where)
                 if key in sizes and (not isinstance(value, torch.Tensor) or list(value.shape) != sizes[key]):
                     raise FormatError(f"{where}: stored {getattr(value, 'shape', type(value).__name__)}, "
                                       f"the metadata says {sizes[key]}")
@@ -673,24 +678,13 @@ def read_dcp(path: Union[str, "os.PathLike[str]"]) -> dict[str, Any]:
     reader = InkStorageReader(folder)
     metadata = reader.read_metadata()
     storage = reader._storage
-    shards: dict[str, tuple[Any, Any]] = {}
-    for name in sorted({place["file"] for place in storage.values()}):
-        source = f"{folder}/{name}"
-        with open_container(source) as shard_reader:
-            shard = read_with_keyframe(shard_reader, source)
-            shards[name] = (shard, shard_reader.meta.get(_PLACES_KEY))
+    shards = {name: _read_shard(f"{folder}/{name}") for name in sorted({place["file"] for place in storage.values()})}
 
     def stored(key: str) -> Any:
         place = storage.get(key)
         if place is None:
             raise FormatError(f"{folder}: no stored data for {key}")
-        shard, places = shards[place["file"]]
-        where = f"{folder}/{place['file']}: {key}"
-        if places is None:
-            if not isinstance(shard, dict) or place["key"] not in shard:
-                raise FormatError(f"{where}: not in the shard")
-            return shard[place["key"]]
-        return _at(shard, places.get(place["key"]), where)
+        return _stored(*shards[place["file"]], place["key"], f"{folder}/{place['file']}: {key}")
 
     state: dict[str, Any] = {}
     for fqn, entry in metadata.state_dict_metadata.items():

@@ -346,16 +346,11 @@ def layout_of(
         numbered = {i: e for i, e in per_id.items() if isinstance(i, int) and e}
         named = {i: e for i, e in per_id.items() if isinstance(i, str) and e}
         found: dict[Union[int, str], int] = dict(_match_by_name(named, leaves, weights))
-        if numbered:
-            if param_groups is not None and root in param_groups:
-                matched: Optional[dict[int, int]] = _match_by_group(numbered, leaves, weights, param_groups[root], frozen)
-            else:
-                matched = _match_in_order(numbered, leaves, weights)
-            if matched is None:
-                if not found:
-                    continue
-            else:
-                found.update(matched)
+        if param_groups is not None and root in param_groups:
+            matched: Optional[dict[int, int]] = _match_by_group(numbered, leaves, weights, param_groups[root], frozen)
+        else:
+            matched = _match_in_order(numbered, leaves, weights)
+        found.update(matched or {})  # ids that cannot be matched in order stay unpaired
         matches[root] = found
     claims = Counter(weight for matched in matches.values() for weight in matched.values())
     contested = {root for root, matched in matches.items() if any(claims[w] > 1 for w in matched.values())}
