@@ -18,7 +18,7 @@ from inshrinkerator.codecs import (
     get_codec,
 )
 from inshrinkerator.codecs.bucket_delta import EntropyStats
-from inshrinkerator.codecs.log_sketch import magnitude_keys
+from inshrinkerator.codecs.log_sketch import magnitude_keys, signed_keys
 from inshrinkerator.errors import BrokenChainError, FormatError
 
 from .lossy_codec_checks import (
@@ -253,3 +253,20 @@ def test_rehinted_keeps_the_other_hints_and_replaces_the_named_ones() -> None:
     assert torch.equal(again.encode(values).reconstruction, expected.encode(values).reconstruction)
     assert not torch.equal(again.encode(values).reconstruction, codec.encode(values).reconstruction)
     assert type(DynaQuantGroupedCodec(bins=4).rehinted(centroids=first)) is DynaQuantGroupedCodec
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_rounded_is_what_an_encode_reconstructs(dtype: torch.dtype) -> None:
+    values = (torch.randn(60, 70, generator=torch.Generator().manual_seed(5)) * 0.05).to(dtype)
+    values[0, :3] = torch.tensor([float("nan"), float("inf"), 0.0]).to(dtype)
+    keys = signed_keys(values.reshape(-1).float())
+    for codec in (
+        DynaQuantCodec(bins=8, prune=0.2, protect=0.01),
+        DynaQuantCodec(bins=8).with_hints(centroids=torch.tensor([-0.05, -0.01, 0.01, 0.05]), prune_below=300, keys=keys),
+    ):
+        rounded = codec.rounded(values)
+        assert rounded.dtype == dtype and rounded.shape == values.shape
+        assert same_bits(rounded, codec.encode(values).reconstruction)
+    assert not torch.equal(rounded, values)
+    with pytest.raises(ValueError, match="floating"):
+        DynaQuantCodec().rounded(torch.arange(4))

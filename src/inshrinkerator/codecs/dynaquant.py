@@ -342,17 +342,8 @@ class DynaQuantCodec(PreparedEncoding, Codec):
         if not tensor.dtype.is_floating_point:
             raise ValueError(f"{self.codec_id} stores floating tensors only, got {tensor.dtype}")
         flat = tensor.detach().reshape(-1)
-        keys = self._hints.get("keys")
-        if keys is None or keys.numel() != flat.numel():
-            keys = signed_keys(flat)
-        table = self._table(keys)
-        if table.count > MAX_LEVELS:
-            raise ValueError(f"{table.count} levels exceed the id coder's {MAX_LEVELS}")
+        _, table, ids = self._ids(flat, zeros)
         self._fitted = table
-        prune_mask = self._hints.get("prune_mask")
-        if zeros is not None:
-            prune_mask = zeros if prune_mask is None else prune_mask | zeros
-        ids = assign_ids(keys, table, prune_mask, self._hints.get("protect_mask"))
         predicted = changed = None
         fingerprint = shift = 0
         if reference is not None:
@@ -371,12 +362,8 @@ class DynaQuantCodec(PreparedEncoding, Codec):
                 if bool(keep.any()):
                     ids[changed[keep]] = predicted[changed[keep]]
                     changed = changed[~keep]
-        if ids.numel() and int(ids.max()) == table.protect_id:  # the largest id: a cheap test first
-            protected_positions = positions_of(ids, table.protect_id)
-        else:
-            protected_positions = torch.empty(0, dtype=torch.int64, device=ids.device)
-        protected_dtype = torch.float16 if tensor.dtype == torch.float16 else torch.bfloat16
-        protected = flat[protected_positions].to(protected_dtype)
+        protected_positions, protected = _protected(flat, ids, table)
+        protected_dtype = protected.dtype
         step = _even_step(table)
         lattice = _log_lattice(table)
         flags = (
@@ -435,6 +422,31 @@ class DynaQuantCodec(PreparedEncoding, Codec):
         if on_fitted is not None:
             on_fitted(table)
         return Encoded(streams=[b"".join([head, values_bytes, protected_bytes, id_stream])], reconstruction=rebuilt)
+
+    def _ids(self, flat: torch.Tensor, zeros: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, LevelTable, torch.Tensor]:
+        """``(keys, table, ids)`` of flat values: their signed keys, the level table and each
+        value's id (``zeros``: entries stored as 0 whatever their value)."""
+        keys = self._hints.get("keys")
+        if keys is None or keys.numel() != flat.numel():
+            keys = signed_keys(flat)
+        table = self._table(keys)
+        if table.count > MAX_LEVELS:
+            raise ValueError(f"{table.count} levels exceed the id coder's {MAX_LEVELS}")
+        prune_mask = self._hints.get("prune_mask")
+        if zeros is not None:
+            prune_mask = zeros if prune_mask is None else prune_mask | zeros
+        return keys, table, assign_ids(keys, table, prune_mask, self._hints.get("protect_mask"))
+
+    def rounded(self, tensor: torch.Tensor) -> torch.Tensor:
+        """What :meth:`encode` of ``tensor`` with no reference would reconstruct, without
+        coding its ids (a fraction of an encode's time): a policy checks a rounding's error
+        before paying for its coding. The hints are kept for the encode that follows."""
+        if not tensor.dtype.is_floating_point:
+            raise ValueError(f"{self.codec_id} stores floating tensors only, got {tensor.dtype}")
+        flat = tensor.detach().reshape(-1)
+        _, table, ids = self._ids(flat)
+        positions, protected = _protected(flat, ids, table)
+        return reconstruct(ids, table, protected, tensor.dtype, tuple(tensor.shape), positions)
 
     def encode(self, tensor: torch.Tensor, reference: Optional[torch.Tensor] = None) -> Encoded:
         return self._take_prepared(tensor, None) or self._encode(tensor, None)
@@ -589,6 +601,16 @@ class DynaQuantCodec(PreparedEncoding, Codec):
         reference: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         return self._decode(streams, spec, None)
+
+
+def _protected(flat: torch.Tensor, ids: torch.Tensor, table: LevelTable) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(positions, values)`` of the protected entries of ``flat`` (id ``table.protect_id``),
+    their values in float16 for a float16 tensor, else bfloat16."""
+    if ids.numel() and int(ids.max()) == table.protect_id:  # the largest id: a cheap test first
+        positions = positions_of(ids, table.protect_id)
+    else:
+        positions = torch.empty(0, dtype=torch.int64, device=ids.device)
+    return positions, flat[positions].to(torch.float16 if flat.dtype == torch.float16 else torch.bfloat16)
 
 
 def _encode_groups(

@@ -326,32 +326,36 @@ class WeightPlanning:
         plans = dict(zip(candidates, parallel_map_sized(plan, candidates, [leaf_nbytes(leaves[i]) for i in candidates])))
         stats = {index: EntropyStats() for index in candidates}
 
-        def encode(index: int) -> tuple[DynaQuantCodec, Encoded]:
+        def levels(index: int) -> DynaQuantCodec:
             histogram, rms, largest = plans[index]
             centroids, prune_below = step_levels(histogram, rms, largest, shares[index], False)
             codec = DynaQuantCodec(
                 bins=codecs[index].bins, prune=0.0, protect=0.0, sigma=self.sigma  # type: ignore[attr-defined]
             ).with_hints(counts=histogram, centroids=centroids, prune_below=prune_below, stats=stats[index])
-            if sketched(index):
-                codec = codec.rehinted(keys=weights.trials[index].keys)
-            return codec, codec.prepare(leaves[index].tensor, None)
+            return codec.rehinted(keys=weights.trials[index].keys) if sketched(index) else codec
 
         # The levels' error as the proxy measures it (the larger of the plain and the
         # Fisher-weighted share): evenly spaced levels must not lose more.
         allowed = {index: weights.error(index, encoded[index]) for index in candidates}
 
         def store_where_smaller(index: int) -> bool:
-            # Each tensor is tried, retried and settled on its own, so that no more than one
-            # or two encodings per thread are held beside the k-means ones (all of them at
-            # once: a 2 GiB state's full save peaked 0.23 of its size higher).
-            codec, result = encode(index)
-            error = weights.error(index, result)
-            if encoded_size(result) < encoded_size(encoded[index]) and math.isfinite(error) and error > allowed[index]:
+            # The rounding's error is checked before its ids are coded (most of an encode's
+            # time): spaced for the k-means levels' plain share, evenly spaced levels mostly
+            # miss by the Fisher-weighted one, or by a few per cent where few values round
+            # to 0, and are rounded once more, finer by what they missed. Each tensor is
+            # settled on its own, so that no more than one encoding per thread is held beside
+            # the k-means ones (all of them at once: a 2 GiB state's full save peaked 0.23 of
+            # its size higher).
+            codec = levels(index)
+            error = weights.error_of(index, codec.rounded(leaves[index].tensor))
+            if math.isfinite(error) and error > allowed[index]:
                 shares[index] *= RETRY_MARGIN * allowed[index] / error
-                stats[index] = EntropyStats()
-                codec, result = encode(index)
-                error = weights.error(index, result)
-            if encoded_size(result) < encoded_size(encoded[index]) and error <= allowed[index]:
+                codec = levels(index)
+                error = weights.error_of(index, codec.rounded(leaves[index].tensor))
+            if not error <= allowed[index]:
+                return False
+            result = codec.prepare(leaves[index].tensor, None)
+            if encoded_size(result) < encoded_size(encoded[index]):
                 _drop_prepared(codecs[index])
                 codecs[index], encoded[index], weights.stats[index] = codec, result, stats[index]
                 return True
@@ -1025,8 +1029,12 @@ class _WeightPlan:
     def error(self, index: int, encoded: Encoded) -> float:
         """The proxy's relative error of weight ``index`` as ``encoded``: the larger of the
         plain and the Fisher-weighted one."""
+        return self.error_of(index, encoded.reconstruction)
+
+    def error_of(self, index: int, reconstruction: torch.Tensor) -> float:
+        """:meth:`error` of weight ``index`` stored as ``reconstruction``."""
         trial = self.trials[index]
-        rebuilt, original = encoded.reconstruction.reshape(-1).float(), trial.flat.float()
+        rebuilt, original = reconstruction.reshape(-1).float(), trial.flat.float()
         plain, weighted = squared_differences(rebuilt, original, trial.weights)
         if not math.isfinite(plain):  # non-finite weights are stored exactly (protected)
             difference = rebuilt - original
