@@ -31,12 +31,11 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, Optional
 
 import torch
-
-from collections.abc import Sequence
-from typing import Any, Optional
 
 from inshrinkerator.bench.aggregate import run_metrics
 from inshrinkerator.bench.policy_specs import build_policy
@@ -47,9 +46,14 @@ from inshrinkerator.codecs.base import Encoded, TensorSpec
 from inshrinkerator.codecs.bucket_delta import EntropyStats
 from inshrinkerator.codecs.raw import tensor_bytes, tensor_from_bytes
 from inshrinkerator.codecs.registry import register_codec
-from inshrinkerator.policies import DynaQuant, Lossless, Policy
-from inshrinkerator.policies import dynaquant_moments, dynaquant_weights
-from inshrinkerator.policies import quantization_trials
+from inshrinkerator.policies import (
+    DynaQuant,
+    Lossless,
+    Policy,
+    dynaquant_moments,
+    dynaquant_weights,
+    quantization_trials,
+)
 from inshrinkerator.policies.state_layout import TensorRole, layout_of
 from inshrinkerator.tree import TensorLeaf
 
@@ -217,11 +221,10 @@ def paired_restores(workload_name: str, seed: int, quick: bool, specs: list[str]
     """
     import copy
 
-    from inshrinkerator.tree import flatten
-
     from inshrinkerator.bench.measures import degradation_percent
     from inshrinkerator.bench.workloads import make_workload
     from inshrinkerator.store import CheckpointManager
+    from inshrinkerator.tree import flatten
 
     workload = make_workload(workload_name, seed, quick)
     probe = make_workload(workload_name, seed, quick)

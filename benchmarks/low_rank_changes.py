@@ -31,7 +31,13 @@ import torch
 
 from inshrinkerator.bench.recovery import torch_threads
 from inshrinkerator.bench.workloads import WORKLOADS, make_workload
-from inshrinkerator.codecs.low_rank import MIN_SIDE, LowRankFactors, choose_low_rank, low_rank_factors, matrix_shape
+from inshrinkerator.codecs.low_rank import (
+    MIN_SIDE,
+    LowRankFactors,
+    choose_low_rank,
+    low_rank_factors,
+    matrix_shape,
+)
 
 RANKS = (1, 4, 16, 64)
 CODED_RANKS = (2, 4, 8, 16, 32)

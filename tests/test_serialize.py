@@ -291,7 +291,11 @@ def _chained_contexts() -> _ByKey:
     # The weight stored as its change grouped by its first moment's sign, that first moment
     # per octave of the second moment: a chain of two contexts, each stored after the
     # record that needs it.
-    from inshrinkerator.codecs import DynaQuantCodec, DynaQuantGroupedCodec, SignGroupedResidualCodec
+    from inshrinkerator.codecs import (
+        DynaQuantCodec,
+        DynaQuantGroupedCodec,
+        SignGroupedResidualCodec,
+    )
 
     return _ByKey("chained-test", {
         "model/w": lambda reference: None if reference is None else SignGroupedResidualCodec(DynaQuantCodec(bins=10)).against("optimizer/exp_avg"),

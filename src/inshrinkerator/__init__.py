@@ -8,6 +8,7 @@ The public API::
 """
 
 from . import policies
+from .activations import compress_activations
 from .errors import (
     AsyncSaveError,
     BrokenChainError,
@@ -17,7 +18,6 @@ from .errors import (
     InkError,
     UnsupportedStateError,
 )
-from .activations import compress_activations
 from .info import SaveInfo
 from .single_file import load, save
 from .store import CheckpointManager

@@ -1,8 +1,14 @@
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from inshrinkerator.activations.bitpack import (
-    GROUP, pack_codes, pack_mask, packed_size, unpack_codes, unpack_mask,
+    GROUP,
+    pack_codes,
+    pack_mask,
+    packed_size,
+    unpack_codes,
+    unpack_mask,
 )
 
 

@@ -2,7 +2,8 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from inshrinkerator.activations.quantizer import quantize
 

@@ -1,6 +1,7 @@
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from inshrinkerator.activations.sz3 import SZ3_PREDICTORS, sz3_available, sz3_compress
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 from inshrinkerator.bench.aggregate import aggregate_rows, run_metrics

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from inshrinkerator.codecs import ByteGroupingCodec, TensorSpec, dtype_from_name, get_codec
 from inshrinkerator.errors import CorruptCheckpointError, FormatError
+
 from ..helpers import ALL_DTYPES, assert_same, check_codec_roundtrip, make_tensor
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "codecs"

@@ -14,7 +14,11 @@ from inshrinkerator.codecs import (
     ResidualCodec,
     TensorSpec,
 )
-from inshrinkerator.codecs.expansion_padding import PADDED_MAX_EXPANSION, check_padding_stream, padding_stream
+from inshrinkerator.codecs.expansion_padding import (
+    PADDED_MAX_EXPANSION,
+    check_padding_stream,
+    padding_stream,
+)
 from inshrinkerator.errors import CorruptCheckpointError
 
 

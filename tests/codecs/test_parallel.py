@@ -10,7 +10,12 @@ import time
 import pytest
 
 from inshrinkerator.codecs import _parallel
-from inshrinkerator.codecs._parallel import BACKGROUND_NICE, in_background, parallel_map, worker_count
+from inshrinkerator.codecs._parallel import (
+    BACKGROUND_NICE,
+    in_background,
+    parallel_map,
+    worker_count,
+)
 from inshrinkerator.store.async_worker import BackgroundWorker
 
 

@@ -12,7 +12,12 @@ from inshrinkerator.codecs import DynaQuantCodec, DynaQuantDeltaCodec, TensorSpe
 from inshrinkerator.codecs.dynaquant_context import DynaQuantMaskedDeltaCodec
 from inshrinkerator.codecs.log_sketch import MAGNITUDE_KEYS, MANTISSA_BITS, signed_keys
 from inshrinkerator.codecs.nonuniform_quantizer import FIRST_NON_FINITE_KEY, LOG, assign_ids
-from inshrinkerator.codecs.prediction_shift import SHIFT_MIN_ELEMENTS, best_shift, shift_keys, shifted_ids
+from inshrinkerator.codecs.prediction_shift import (
+    SHIFT_MIN_ELEMENTS,
+    best_shift,
+    shift_keys,
+    shifted_ids,
+)
 from inshrinkerator.errors import BrokenChainError, CorruptCheckpointError, FormatError
 
 from .lossy_codec_checks import check_damaged_streams, encode_decode, same_bits

@@ -8,7 +8,15 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from inshrinkerator.codecs import ByteGroupingCodec, Codec, Encoded, RawCodec, get_codec, register_codec, registered_codecs
+from inshrinkerator.codecs import (
+    ByteGroupingCodec,
+    Codec,
+    Encoded,
+    RawCodec,
+    get_codec,
+    register_codec,
+    registered_codecs,
+)
 from inshrinkerator.codecs import registry as registry_module
 from inshrinkerator.errors import FormatError
 

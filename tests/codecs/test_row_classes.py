@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inshrinkerator.codecs import DynaQuantCodec, DynaQuantDeltaCodec, TensorSpec
-from inshrinkerator.codecs import dynaquant
+from inshrinkerator.codecs import DynaQuantCodec, DynaQuantDeltaCodec, TensorSpec, dynaquant
 from inshrinkerator.codecs.bucket_delta import EntropyStats, encode_bucket_ids
 from inshrinkerator.codecs.octave_groups import GROUP_MIN_ELEMENTS
 from inshrinkerator.codecs.row_classes import (

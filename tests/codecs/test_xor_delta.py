@@ -12,7 +12,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inshrinkerator.codecs import ByteGroupingCodec, RawCodec, TensorSpec, XorDeltaCodec, dtype_from_name, get_codec
+from inshrinkerator.codecs import (
+    ByteGroupingCodec,
+    RawCodec,
+    TensorSpec,
+    XorDeltaCodec,
+    dtype_from_name,
+    get_codec,
+)
 from inshrinkerator.codecs.raw import tensor_bytes, tensor_from_bytes
 from inshrinkerator.codecs.xor_delta import xor_bits
 from inshrinkerator.errors import BrokenChainError, FormatError

@@ -21,7 +21,13 @@ from hypothesis import strategies as st
 import inshrinkerator as ink
 from inshrinkerator.codecs.registry import registered_codecs
 from inshrinkerator.container import ContainerReader
-from inshrinkerator.container.format import MAX_HEADER_BYTES, PREAMBLE, data_start, parse_header, unpack_header
+from inshrinkerator.container.format import (
+    MAX_HEADER_BYTES,
+    PREAMBLE,
+    data_start,
+    parse_header,
+    unpack_header,
+)
 from inshrinkerator.errors import BrokenChainError, CorruptCheckpointError, FormatError, InkError
 from inshrinkerator.policies import resolve_policy
 from inshrinkerator.serialize import read_state, write_state

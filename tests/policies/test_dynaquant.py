@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -12,7 +11,14 @@ from inshrinkerator.policies import DynaQuant, resolve_policy
 from inshrinkerator.tree import flatten, format_key_path
 
 from ..helpers import assert_same
-from .dynaquant_states import by_key, codecs_and_bytes, level_count, one_thread, train_steps, trained_states  # noqa: F401 - one_thread: autouse
+from .dynaquant_states import (  # noqa: F401 - one_thread: autouse
+    by_key,
+    codecs_and_bytes,
+    level_count,
+    one_thread,
+    train_steps,
+    trained_states,
+)
 
 
 def test_knobs_are_checked() -> None:

@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inshrinkerator.codecs.log_sketch import MAGNITUDE_KEYS, SIGNED_KEYS, magnitude_keys, signed_keys
+from inshrinkerator.codecs.log_sketch import (
+    MAGNITUDE_KEYS,
+    SIGNED_KEYS,
+    magnitude_keys,
+    signed_keys,
+)
 from inshrinkerator.codecs.nonuniform_quantizer import LINEAR, fit_centroids
 from inshrinkerator.policies.first_moment_levels import zero_level_hints_batch, zero_level_hints_for
 

@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inshrinkerator.policies.state_layout import TensorRole, layout_of, param_group_ids, param_group_option
+from inshrinkerator.policies.state_layout import (
+    TensorRole,
+    layout_of,
+    param_group_ids,
+    param_group_option,
+)
 from inshrinkerator.tree import flatten, format_key_path
 
 from ..helpers import training_state

@@ -35,7 +35,15 @@ from inshrinkerator.store.manifest import (
 )
 
 from ..helpers import assert_same
-from .run_damage import READER_ERRORS, Damage, RunFiles, copy_run, expected_damage, snapshot_files, step_state
+from .run_damage import (
+    READER_ERRORS,
+    Damage,
+    RunFiles,
+    copy_run,
+    expected_damage,
+    snapshot_files,
+    step_state,
+)
 
 _LONG = int(os.environ.get("INSHRINK_FUZZ_EXAMPLES", "0"))
 

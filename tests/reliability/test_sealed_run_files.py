@@ -10,7 +10,12 @@ import pytest
 
 from inshrinkerator.errors import CorruptCheckpointError, FormatError
 from inshrinkerator.store import CheckpointManager, verify_run
-from inshrinkerator.store.manifest import RUN_MARKER, manifest_name, parse_manifest, parse_run_marker
+from inshrinkerator.store.manifest import (
+    RUN_MARKER,
+    manifest_name,
+    parse_manifest,
+    parse_run_marker,
+)
 
 from ..helpers import assert_same
 from .run_damage import RunFiles, step_state

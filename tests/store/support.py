@@ -9,7 +9,6 @@ against the *reconstructed* previous step (the closed loop) or against the true 
 from __future__ import annotations
 
 import threading
-
 from collections.abc import Sequence
 from typing import Any, Optional
 

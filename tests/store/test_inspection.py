@@ -6,7 +6,13 @@ import pytest
 
 import inshrinkerator as ink
 from inshrinkerator.errors import CheckpointNotFoundError
-from inshrinkerator.store import CheckpointManager, describe_run, is_run, run_class_bytes, verify_run
+from inshrinkerator.store import (
+    CheckpointManager,
+    describe_run,
+    is_run,
+    run_class_bytes,
+    verify_run,
+)
 from inshrinkerator.store.manifest import manifest_name
 
 from ..helpers import training_state

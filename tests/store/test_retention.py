@@ -157,7 +157,12 @@ def test_a_failed_manifest_write_while_rebasing_leaves_no_orphan_for_long(run_ur
 
 
 def test_rebase_stores_a_tensor_planned_with_a_context_on_its_own() -> None:
-    from inshrinkerator.codecs import ByteGroupingCodec, DynaQuantCodec, DynaQuantGroupedCodec, DynaQuantMaskedCodec
+    from inshrinkerator.codecs import (
+        ByteGroupingCodec,
+        DynaQuantCodec,
+        DynaQuantGroupedCodec,
+        DynaQuantMaskedCodec,
+    )
     from inshrinkerator.store.rebase import ExactRebasePolicy
     from inshrinkerator.tree import flatten
 

@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 
 from inshrinkerator.errors import CheckpointNotFoundError
-from inshrinkerator.store.storage import FsspecRunStorage, LocalRunStorage, is_temporary, open_storage
+from inshrinkerator.store.storage import (
+    FsspecRunStorage,
+    LocalRunStorage,
+    is_temporary,
+    open_storage,
+)
 
 
 def test_locations_pick_the_right_storage(tmp_path) -> None:

@@ -33,8 +33,10 @@ SZ3_PREDICTORS = ("nopred", "interp_lorenzo")
 _SUPPORTED = (torch.float32, torch.float64)
 
 try:  # pysz is a declared dependency, but keep the quantizer usable if its wheel is missing
-    from pysz import sz as _sz, szAlgorithm as _szAlgorithm, szConfig as _szConfig, \
-        szErrorBoundMode as _szErrorBoundMode
+    from pysz import sz as _sz
+    from pysz import szAlgorithm as _szAlgorithm
+    from pysz import szConfig as _szConfig
+    from pysz import szErrorBoundMode as _szErrorBoundMode
 except ImportError:  # pragma: no cover - exercised only where pysz is absent
     _sz = None
 

@@ -2,15 +2,6 @@
 
 from .base import Codec, Encoded, TensorSpec, dtype_from_name, dtype_name
 from .byte_grouping import ByteGroupingCodec
-from .raw import RawCodec
-from .registry import get_codec, register_codec, registered_codecs
-from .xor_delta import XorDeltaCodec
-from .entropy import decode_symbols, encode_symbols, order0_entropy_bits
-from .residual import ResidualCodec
-from .exponent_bucket import ExponentBucketCodec
-from .kmeans_quantize import KMeansQuantizeCodec
-from .uniform_quantize import UniformQuantizeCodec
-from .entropy_width_quantize import EntropyWidthQuantizeCodec
 from .cyclic_code_delta import CyclicCodeDeltaCodec
 from .dynaquant import DynaQuantCodec, DynaQuantDeltaCodec
 from .dynaquant_context import (
@@ -19,9 +10,18 @@ from .dynaquant_context import (
     DynaQuantMaskedDeltaCodec,
     SignGroupedResidualCodec,
 )
+from .entropy import decode_symbols, encode_symbols, order0_entropy_bits
+from .entropy_width_quantize import EntropyWidthQuantizeCodec
+from .exponent_bucket import ExponentBucketCodec
 from .factored_moment import FactoredMomentCodec
+from .kmeans_quantize import KMeansQuantizeCodec
 from .low_rank import GroupedLowRankCodec, LowRankCodec, LowRankResidualCodec, ScaledLowRankCodec
+from .raw import RawCodec
+from .registry import get_codec, register_codec, registered_codecs
+from .residual import ResidualCodec
 from .unchanged import UnchangedCodec
+from .uniform_quantize import UniformQuantizeCodec
+from .xor_delta import XorDeltaCodec
 
 __all__ = [
     "Codec",

@@ -40,8 +40,8 @@ import torch
 from ..errors import BrokenChainError, CorruptCheckpointError
 from .base import Codec, Encoded, TensorSpec, matching_reference
 from .entropy import decode_symbols, encode_symbols
-from .expansion_padding import PADDED_MAX_EXPANSION, check_padding_stream, padding_stream
 from .entropy_width_quantize import UniformGrid, check_bin_bounds, entropy_bin_count
+from .expansion_padding import PADDED_MAX_EXPANSION, check_padding_stream, padding_stream
 from .lossy_input import checked_float_input, require_float_spec
 from .registry import register_codec
 from .xor_delta import reference_checksum

@@ -71,11 +71,11 @@ from .bucket_delta import MAX_LEVELS, EntropyStats, decode_bucket_ids, encode_bu
 from .log_lattice import MAX_DIVISIONS, find_lattice, lattice_values
 from .log_sketch import MAGNITUDE_KEYS, MANTISSA_BITS, SIGNED_KEYS, signed_keys
 from .nonuniform_quantizer import (
-    CentroidFit,
     DOMAINS,
     FIRST_NON_FINITE_KEY,
     LINEAR,
     LOG,
+    CentroidFit,
     LevelTable,
     assign_ids,
     fit_centroids,
@@ -87,7 +87,13 @@ from .octave_groups import ContextGroups
 from .prediction_shift import SHIFT_MIN_ELEMENTS, best_shift, shifted_ids
 from .prepared import PreparedEncoding
 from .registry import register_codec
-from .row_classes import RowGroups, choose_row_classes, matrix_rows, read_row_classes, row_class_header
+from .row_classes import (
+    RowGroups,
+    choose_row_classes,
+    matrix_rows,
+    read_row_classes,
+    row_class_header,
+)
 from .scratch import scratch
 from .small_tensor_decode import small_predicted_ids, small_reconstruction
 from .varint import decode_varint, encode_varint

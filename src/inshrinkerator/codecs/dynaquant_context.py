@@ -17,8 +17,8 @@ from ..errors import FormatError
 from .base import Codec, Encoded, TensorSpec
 from .dynaquant import DynaQuantCodec, DynaQuantDeltaCodec
 from .octave_groups import octave_groups, sign_groups
-from .residual import ResidualCodec
 from .registry import register_codec
+from .residual import ResidualCodec
 
 __all__ = ["DynaQuantGroupedCodec", "DynaQuantMaskedCodec", "DynaQuantMaskedDeltaCodec", "SignGroupedResidualCodec"]
 

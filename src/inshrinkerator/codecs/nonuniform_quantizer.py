@@ -37,7 +37,12 @@ from .bucket_delta import id_dtype
 from .log_sketch import MAGNITUDE_KEYS, SIGNED_KEYS, LogHistogram, signed_key_centres
 from .passes import SLICE_ELEMENTS, slices
 from .scratch import scratch
-from .weighted_kmeans import KMeansProblem, distinct_float32_levels, histogram_sample_weights, weighted_kmeans_1d_batch
+from .weighted_kmeans import (
+    KMeansProblem,
+    distinct_float32_levels,
+    histogram_sample_weights,
+    weighted_kmeans_1d_batch,
+)
 
 __all__ = [
     "LINEAR",

@@ -26,7 +26,15 @@ from ..codecs._parallel import parallel_map_sized
 from ..codecs.registry import get_codec
 from ..codecs.scratch import reusing_scratch
 from ..errors import CorruptCheckpointError, FormatError, InkError
-from .format import PREAMBLE, Header, TensorRecord, data_start, parse_header, unpack_header, unpack_preamble
+from .format import (
+    PREAMBLE,
+    Header,
+    TensorRecord,
+    data_start,
+    parse_header,
+    unpack_header,
+    unpack_preamble,
+)
 
 __all__ = ["ContainerReader"]
 

@@ -19,7 +19,14 @@ from ..serialize import WrittenState, reference_map, write_state
 from ..tree import flatten
 from .async_worker import BackgroundWorker
 from .chain import load_chain, load_step, resolve_chain
-from .commit import ensure_run_marker, list_steps, publish_manifest, read_manifest, remove_stale, write_data
+from .commit import (
+    ensure_run_marker,
+    list_steps,
+    publish_manifest,
+    read_manifest,
+    remove_stale,
+    write_data,
+)
 from .manifest import MAX_STEP, StepManifest, manifest_name, utc_now
 from .retention import apply_retention
 from .snapshot import Snapshot, SpareBuffers, snapshot_state
