@@ -121,10 +121,10 @@ def cube_points(shape: Sequence[int]) -> list[Point]:
 
 
 def _diagonal(lo: Point, hi: Point) -> list[Point]:
-    steps = max(h - l for l, h in zip(lo, hi))
+    steps = max(high - low for low, high in zip(lo, hi))
     points = []
     for t in range(steps + 1):
-        point = tuple(l + round((h - l) * t / steps) if steps else l for l, h in zip(lo, hi))
+        point = tuple(low + round((high - low) * t / steps) if steps else low for low, high in zip(lo, hi))
         if not points or points[-1] != point:
             points.append(point)
     return points
@@ -174,7 +174,7 @@ def guided_search(
         for sides in itertools.product((0, 1), repeat=len(shape)):
             if all(sides):
                 continue  # at least as aggressive as an infeasible point
-            box_lo = tuple(s if side else l for l, s, side in zip(lo, split, sides))
+            box_lo = tuple(s if side else low for low, s, side in zip(lo, split, sides))
             box_hi = tuple(h if side else s - 1 for h, s, side in zip(hi, split, sides))
             if any(a > b for a, b in zip(box_lo, box_hi)):
                 continue
