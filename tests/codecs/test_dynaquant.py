@@ -270,3 +270,28 @@ def test_rounded_is_what_an_encode_reconstructs(dtype: torch.dtype) -> None:
     assert not torch.equal(rounded, values)
     with pytest.raises(ValueError, match="floating"):
         DynaQuantCodec().rounded(torch.arange(4))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    values=st.lists(finite, min_size=1, max_size=400),
+    bins=st.integers(1, 40),
+    prune=st.sampled_from([0.0, 0.1, 0.5]),
+    protect=st.sampled_from([0.0, 0.02]),
+    domain=st.sampled_from(["linear", "log"]),
+    masks=st.integers(0, 2**32 - 1),
+)
+def test_rounded_matches_the_encode_for_any_settings(
+    values: list[float], bins: int, prune: float, protect: float, domain: str, masks: int
+) -> None:
+    tensor = torch.tensor(values, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(masks)
+    prune_mask = torch.rand(tensor.numel(), generator=generator) < 0.1
+    protect_mask = torch.rand(tensor.numel(), generator=generator) < 0.05
+    for codec in (
+        DynaQuantCodec(bins=bins, prune=prune, protect=protect, domain=domain),
+        DynaQuantCodec(bins=bins, prune=prune, protect=protect, domain=domain).with_hints(
+            prune_mask=prune_mask, protect_mask=protect_mask
+        ),
+    ):
+        assert same_bits(codec.rounded(tensor), codec.encode(tensor).reconstruction)
