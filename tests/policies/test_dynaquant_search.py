@@ -126,3 +126,44 @@ def test_proxy_feasibility_agrees_with_the_quality_and_stops_at_the_first_failin
     runs.clear()
     assert not checked.feasible(coarsest, "magnitude")
     assert len(runs) == 1  # the tensor that failed last fails first here too
+
+
+@pytest.mark.parametrize("with_evaluate", [False, True])
+def test_own_budgets_under_a_tensors_error_floor_are_decided_without_its_trial(with_evaluate: bool) -> None:
+    import torch
+
+    from inshrinkerator.codecs.log_sketch import ALPHA
+    from inshrinkerator.policies.dynaquant_search import ConfigurationCube
+    from inshrinkerator.policies.quantization_trials import WeightTrial
+    from inshrinkerator.tree import flatten
+
+    generator = torch.Generator().manual_seed(4)
+    state = {f"w{i}": torch.randn(3000, generator=generator) * 0.05 for i in range(6)}
+    leaves = flatten(state).tensors
+    spread = (2 * ALPHA) ** 2 / 12  # what every value costs at least, whatever its levels
+    # Budgets of each tensor (the proxy's share, or a cap with evaluate): three far under the
+    # floor, one a little over it, two far over.
+    bounds = {0: spread / 50, 1: spread / 3, 2: spread * 0.9, 3: spread * 1.2, 4: 1.0, 5: 1.0}
+
+    def cube() -> ConfigurationCube:
+        trials = {i: WeightTrial(leaf.tensor, "linear", None, None, 1.0) for i, leaf in enumerate(leaves)}
+        if with_evaluate:
+            return ConfigurationCube(trials, leaves, (256, 4), (256,), (0.0,), (0.0,), 1.0, lambda _: 0.0, caps=bounds)
+        return ConfigurationCube(trials, leaves, (256, 4), (256,), (0.0,), (0.0,), 1.0, scales=bounds)
+
+    checked, reference = cube(), cube()
+    tried: list[int] = []
+    real_results = checked.results
+
+    def counting_results(indices, point, metric, stop=None):
+        tried.extend(indices)
+        return real_results(indices, point, metric, stop)
+
+    checked.results = counting_results  # type: ignore[method-assign]
+    for point in ((0, 0, 0, 0), (1, 0, 0, 0)):
+        tried.clear()
+        answers = checked.within_own_budgets(list(range(6)), point, "magnitude")
+        expected = [reference.result(i, point, "magnitude").error <= bounds[i] for i in range(6)]
+        assert answers == expected
+        assert not any(answers[:3]) and sorted(tried) == [3, 4, 5]
+    assert checked.within_own_budgets([0, 4], (0, 0, 0, 0), "magnitude") == [False, True]

@@ -187,3 +187,40 @@ def test_trials_after_a_stop_are_left_as_if_they_had_not_run() -> None:
     # at the same level count is what it is in a trial that never ran.
     later = TrialConfig(16, 0.2, 0.0)
     assert torch.equal(stopped[2].run(later, 900).table.values, fresh[2].run(later, 900).table.values)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 1000),
+    bins=st.sampled_from([1, 2, 8, 64, 256]),
+    prune=st.sampled_from([0.0, 0.2, 0.9]),
+    protect=st.sampled_from([0.0, 0.001, 0.01, 0.3]),
+    metric=st.sampled_from([MAGNITUDE, SENSITIVITY]),
+    spread=st.sampled_from(["normal", "few values", "heavy tail"]),
+)
+def test_the_error_floor_is_under_every_trial_with_its_protect_fraction(
+    seed: int, bins: int, prune: float, protect: float, metric: str, spread: str
+) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    weights = torch.randn(3000, generator=generator) * 0.05
+    if spread == "few values":  # every value on a bucket centre: only the spread term is left
+        weights = key_centres()[torch.randint(1000, 1010, (3000,), generator=generator)].float()
+    elif spread == "heavy tail":  # a few values hold most of the energy: protecting them matters
+        weights[:20] *= 1000.0
+    sensitivity = (weights * torch.randn(3000, generator=generator)).abs()
+    trial = WeightTrial(weights, "linear", torch.rand(3000, generator=generator) + 0.1, sensitivity, sigma=0.5)
+    counts = trial.sensitivity_counts if metric == SENSITIVITY else trial.magnitude_counts
+    result = trial.run(TrialConfig(bins=bins, prune=prune, protect=protect, metric=metric), quantile_key(counts, prune))
+    floor = trial.error_floor(protect)
+    assert 0.0 < floor <= result.error
+    if spread == "heavy tail" and protect == 0.0:
+        assert floor > 0.9 * ALPHA**2 / 3  # nothing protected: the spread of every value
+
+
+def test_the_error_floor_holds_with_non_finite_values_and_is_0_with_everything_protected() -> None:
+    weights = torch.randn(1000, generator=torch.Generator().manual_seed(1)) * 0.05
+    weights[3], weights[4] = float("inf"), float("nan")
+    trial = WeightTrial(weights, "linear", None, None, 0.5)
+    result = trial.run(TrialConfig(bins=16, prune=0.0, protect=0.0, metric=MAGNITUDE), 1)
+    assert trial.error_floor(0.0) <= result.error
+    assert trial.error_floor(1.0) == 0.0

@@ -214,6 +214,39 @@ class WeightTrial:
             self._cache[key] = (mask, cut)
         return self._cache[key]  # type: ignore[return-value]
 
+    def error_floor(self, protect: float) -> float:
+        """A floor under the proxy error (plain, so under the larger of plain and weighted)
+        of every trial that protects the fraction ``protect``, whatever its levels and
+        pruning: each value that is not protected costs at least its bucket's spread
+        (pruned values cost more), and the protected ones are at most those above the
+        magnitude cut plus the largest ``protect`` share of the rest (the sensitivity
+        cut's). A tensor whose floor is over its budget needs no trial to be over it.
+        0 where nothing is known (everything protected, a total that is not finite)."""
+        key = ("floor", protect)
+        if key not in self._cache:
+            self._cache[key] = self._error_floor(protect)
+        return self._cache[key]  # type: ignore[return-value]
+
+    def _error_floor(self, protect: float) -> float:
+        if not (math.isfinite(self.total_plain) and self.total_plain > 0) or protect >= 1.0:
+            return 0.0
+        last = self._protect_above(protect)  # magnitude keys above it are protected
+        counts = self.magnitude_counts[: last + 1].double()
+        energy = counts * self._centres[: last + 1] ** 2
+        if self.sensitivity_counts is not None and protect > 0:
+            # The sensitivity cut protects at most floor(protect * numel) values (one more
+            # for rounding): taken from the largest magnitudes down, the most they can hold.
+            take = float(int(protect * self.numel) + 1)
+            above = torch.flip(torch.cumsum(torch.flip(counts, [0]), 0), [0])  # values at or above each key
+            whole = above <= take  # keys all of whose values may be protected
+            energy = torch.where(whole, torch.zeros_like(energy), energy)
+            partial = int(torch.count_nonzero(~whole)) - 1  # the highest key not wholly taken
+            if partial >= 0:
+                taken = take - (float(above[partial + 1]) if partial + 1 < above.numel() else 0.0)
+                energy[partial] -= max(taken, 0.0) * float(self._centres[partial]) ** 2
+        floor = _SPREAD * float(energy.sum()) / self.total_plain
+        return floor * (1.0 - 1e-9) if math.isfinite(floor) and floor > 0 else 0.0
+
     def _protect_above(self, fraction: float) -> int:
         key = ("protect_above", fraction)
         if key not in self._cache:
