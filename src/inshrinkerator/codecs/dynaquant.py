@@ -348,7 +348,7 @@ class DynaQuantCodec(PreparedEncoding, Codec):
         if not tensor.dtype.is_floating_point:
             raise ValueError(f"{self.codec_id} stores floating tensors only, got {tensor.dtype}")
         flat = tensor.detach().reshape(-1)
-        _, table, ids = self._ids(flat, zeros)
+        table, ids = self._ids(flat, zeros)
         self._fitted = table
         predicted = changed = None
         fingerprint = shift = 0
@@ -429,9 +429,9 @@ class DynaQuantCodec(PreparedEncoding, Codec):
             on_fitted(table)
         return Encoded(streams=[b"".join([head, values_bytes, protected_bytes, id_stream])], reconstruction=rebuilt)
 
-    def _ids(self, flat: torch.Tensor, zeros: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, LevelTable, torch.Tensor]:
-        """``(keys, table, ids)`` of flat values: their signed keys, the level table and each
-        value's id (``zeros``: entries stored as 0 whatever their value)."""
+    def _ids(self, flat: torch.Tensor, zeros: Optional[torch.Tensor] = None) -> tuple[LevelTable, torch.Tensor]:
+        """``(table, ids)`` of flat values: the level table and each value's id (``zeros``:
+        entries stored as 0 whatever their value)."""
         keys = self._hints.get("keys")
         if keys is None or keys.numel() != flat.numel():
             keys = signed_keys(flat)
@@ -441,7 +441,7 @@ class DynaQuantCodec(PreparedEncoding, Codec):
         prune_mask = self._hints.get("prune_mask")
         if zeros is not None:
             prune_mask = zeros if prune_mask is None else prune_mask | zeros
-        return keys, table, assign_ids(keys, table, prune_mask, self._hints.get("protect_mask"))
+        return table, assign_ids(keys, table, prune_mask, self._hints.get("protect_mask"))
 
     def rounded(self, tensor: torch.Tensor) -> torch.Tensor:
         """What :meth:`encode` of ``tensor`` with no reference would reconstruct, without
@@ -450,7 +450,7 @@ class DynaQuantCodec(PreparedEncoding, Codec):
         if not tensor.dtype.is_floating_point:
             raise ValueError(f"{self.codec_id} stores floating tensors only, got {tensor.dtype}")
         flat = tensor.detach().reshape(-1)
-        _, table, ids = self._ids(flat)
+        table, ids = self._ids(flat)
         positions, protected = _protected(flat, ids, table)
         return reconstruct(ids, table, protected, tensor.dtype, tuple(tensor.shape), positions)
 
