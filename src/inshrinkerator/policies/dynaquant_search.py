@@ -397,8 +397,9 @@ class ConfigurationCube:
         A tensor whose error floor at this point (:meth:`WeightTrial.error_floor`) is
         already over its budget is over it without a trial: at a delta, most of a
         fine-tune's trained weights have budgets under the sketch's own spread (MiniLM's
-        seed-0 run: 169 of its 243 trials here, at 1/40 to 2/3 of it), and their trials at
-        the least aggressive point took 9 % of each delta's time to say so (69 -> 16 ms)."""
+        seed-0 run: 169 of its 243 trials here; at its fourth save budgets of 1/40 to 2/3
+        of it), and their trials at the least aggressive point took 9 % of each delta's
+        time to say so (69 -> 16 ms)."""
         protect = self.axes[3][point[3]]
         if self.evaluate is None:
             over = {i for i in indices if self.trials[i].error_floor(protect) / self.scales.get(i, 1.0) > self.budget}
