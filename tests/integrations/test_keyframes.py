@@ -227,3 +227,37 @@ def test_a_next_keyframe_starts_a_new_chain_unless_a_checkpoint_was_just_loaded(
     store.save(_state(6), tmp_path / "6.ckpt")
     assert policy.new_chains == 2
     assert len(_keyframes(tmp_path / KEYFRAME_DIR)) >= 2
+
+
+def test_a_remove_during_a_save_of_the_same_path_keeps_the_keyframe_that_save_needs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # AsyncCheckpointIO saves on its own thread while the framework removes on the main one:
+    # a remove of a path whose next save is being written must leave that save's keyframe.
+    import threading
+
+    store = KeyframeStore(tmp_path / KEYFRAME_DIR, "lossless", full_every=3)
+    store.save(_state(0), tmp_path / "last.ckpt")
+    store.save(_state(1), tmp_path / "last.ckpt")
+    writing, removed = threading.Event(), threading.Event()
+    real_write = keyframes_module._write_whole
+
+    def slow_write(target, write):  # the save's file lands only after the remove
+        if Path(str(target)).name == "last.ckpt":
+            writing.set()
+            assert removed.wait(10)
+        return real_write(target, write)
+
+    monkeypatch.setattr(keyframes_module, "_write_whole", slow_write)
+    saving = threading.Thread(target=store.save, args=(_state(2), tmp_path / "last.ckpt"))
+    saving.start()
+    assert writing.wait(10)
+    store.remove(tmp_path / "last.ckpt")
+    removed.set()
+    saving.join(10)
+    monkeypatch.setattr(keyframes_module, "_write_whole", real_write)
+    store.save(_state(3), tmp_path / "epoch=0.ckpt")  # a new keyframe: the old one is collected if unneeded
+    assert len(_keyframes(tmp_path / KEYFRAME_DIR)) == 2
+    assert_same(KeyframeStore(tmp_path / KEYFRAME_DIR).load(tmp_path / "last.ckpt"), _state(2))
+    store.remove(tmp_path / "last.ckpt")
+    assert len(_keyframes(tmp_path / KEYFRAME_DIR)) == 1

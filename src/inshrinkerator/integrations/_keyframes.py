@@ -29,6 +29,7 @@ import shutil
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -285,6 +286,10 @@ class KeyframeStore:
         self._collected = False
         # A checkpoint was loaded since the last save: the next state may hold restored values.
         self._loaded = False
+        # (keyframe, target) of the saves being written: a remove of that target meanwhile
+        # (Lightning's AsyncCheckpointIO saves on its own thread) must not drop that save's
+        # reference, nor a collection delete the keyframe it is a delta against.
+        self._writing: Counter[tuple[str, str]] = Counter()
 
     # -- saving ---------------------------------------------------------------------------
 
@@ -314,12 +319,19 @@ class KeyframeStore:
             self._loaded = False
             self._saves_since_keyframe += 1
             self._add_ref(keyframe, target)
+            self._writing[keyframe, target] += 1
             meta = {**(meta or {}), _META_KEY: keyframe, "keyframe_dir": relative(self.root, parent(target)),
                     _SAVES_KEY: self._saves_since_keyframe}
-        written = _write_whole(
-            target,
-            lambda out: write_state(out, state, self.policy, reference, reference_name=keyframe, meta=meta),
-        )
+        try:
+            written = _write_whole(
+                target,
+                lambda out: write_state(out, state, self.policy, reference, reference_name=keyframe, meta=meta),
+            )
+        finally:
+            with self._lock:
+                self._writing[keyframe, target] -= 1
+                if not self._writing[keyframe, target]:
+                    del self._writing[keyframe, target]
         stored += written.stored_bytes
         with self._lock:
             if previous is not None and previous != keyframe:
@@ -419,7 +431,9 @@ class KeyframeStore:
         with self._lock:
             keyframe = self._keyframe_of(target) if exists(target) else None
             remove_file(target)
-            if keyframe is not None:
+            # A save of this path against the same keyframe, still being written, holds the
+            # same reference: it lands after this remove and needs it.
+            if keyframe is not None and (keyframe, target) not in self._writing:
                 self._drop_ref(keyframe, target)
 
     def collect(self) -> None:
@@ -454,7 +468,7 @@ class KeyframeStore:
         self._collect_one(keyframe)
 
     def _collect_one(self, keyframe: str) -> None:
-        if keyframe == self._keyframe:
+        if keyframe == self._keyframe or any(written == keyframe for written, _ in self._writing):
             return
         refs = join(self.root, f"{keyframe}.refs")
         for name in names_in(refs):
