@@ -399,7 +399,7 @@ class ConfigurationCube:
         fine-tune's trained weights have budgets under the sketch's own spread (MiniLM's
         seed-0 run: 169 of its 243 trials here; at its fourth save budgets of 1/40 to 2/3
         of it), and their trials at the least aggressive point took 9 % of each delta's
-        time to say so (69 -> 16 ms)."""
+        time to say so (69 -> 16 ms; ``benchmarks/save_stages.py``)."""
         protect = self.axes[3][point[3]]
         if self.evaluate is None:
             over = {i for i in indices if self.trials[i].error_floor(protect) / self.scales.get(i, 1.0) > self.budget}
