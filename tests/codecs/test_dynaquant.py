@@ -267,7 +267,7 @@ def test_rounded_is_what_an_encode_reconstructs(dtype: torch.dtype) -> None:
         rounded = codec.rounded(values)
         assert rounded.dtype == dtype and rounded.shape == values.shape
         assert same_bits(rounded, codec.encode(values).reconstruction)
-    assert not torch.equal(rounded, values)
+    assert not torch.equal(rounded[1:], values[1:])  # the rows without NaN: values were rounded
     with pytest.raises(ValueError, match="floating"):
         DynaQuantCodec().rounded(torch.arange(4))
 
